@@ -1,0 +1,125 @@
+"""``mtp-train``: the command line.
+
+Start-up stays light (no torch, no transformers) so that ``--help`` is instant; each
+stage imports what it needs when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+EXIT_USER_ERROR = 2
+EXIT_NOT_BUILT = 3
+RECIPE_STAGES = ("precompute", "train", "eval", "report", "export")
+
+USAGE = """\
+mtp-train RECIPE.yaml [KEY.PATH=VALUE ...] [--dry-run]     run every stage in order
+mtp-train {precompute,train,eval,report,export} RECIPE.yaml [KEY.PATH=VALUE ...] [--dry-run]
+mtp-train verify FEATURES_DIR                               check every shard's checksum"""
+
+DESCRIPTION = """\
+Train speculative-decoding draft heads (DeepSeek-V3 MTP with RMSNorms restored, EAGLE)
+and measure them with real speculative decoding.
+
+stages:
+  precompute  run the target over the dataset and write features (hidden states, top-K logits)
+  train       train the draft head on the features against the frozen embedding and lm_head
+  eval        speculative decoding with the head: acceptance, speedup, lossless check
+  report      write the JSON, Markdown and HTML release report
+  export      write the head in DeepSeek-V3 MTP naming
+  verify      check a features directory against its manifest
+
+exit status: 0 done, 2 bad input (one line on stderr), 3 stage not built yet."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Usage errors are user errors: one line on stderr, exit status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        sys.stderr.write(f"{self.prog}: {message} (see --help)\n")
+        sys.exit(EXIT_USER_ERROR)
+
+
+def _add_recipe_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe", type=Path, metavar="RECIPE.yaml", help="the recipe file")
+    p.add_argument("overrides", nargs="*", metavar="KEY.PATH=VALUE", help="override recipe fields, e.g. train.lr=1e-4")
+    p.add_argument("--dry-run", action="store_true", help="print the resolved recipe and the stage plan, then exit")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(
+        prog="mtp-train", usage=USAGE, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", parser_class=OneLineParser, metavar="")
+    _add_recipe_args(sub.add_parser("run", help=argparse.SUPPRESS))
+    for name in RECIPE_STAGES:
+        _add_recipe_args(sub.add_parser(name, help=argparse.SUPPRESS))
+    verify = sub.add_parser("verify", help=argparse.SUPPRESS)
+    verify.add_argument("features_dir", type=Path, metavar="FEATURES_DIR")
+    return parser
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    from mtp_train.errors import StageNotBuilt
+    from mtp_train.pipeline import STAGE_BY_NAME, STAGES, check_inputs, plan_text, run_stage
+    from mtp_train.recipe import load_recipe, recipe_to_yaml
+
+    if args.command == "verify":
+        print(f"mtp-train: 'verify' is not built yet; {args.features_dir} was not checked", file=sys.stderr)
+        return EXIT_NOT_BUILT
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    check_inputs(recipe)
+    stages = STAGES if args.command == "run" else (STAGE_BY_NAME[args.command],)
+    if args.dry_run:
+        print("# resolved recipe")
+        print(recipe_to_yaml(recipe), end="")
+        print(plan_text(recipe, stages))
+        return 0
+    try:
+        for stage in stages:
+            run_stage(stage, recipe)
+    except StageNotBuilt as e:
+        if args.command != "run":
+            print(f"mtp-train: {e}", file=sys.stderr)
+            return EXIT_NOT_BUILT
+        # The full run does everything that exists, then says plainly where it stopped.
+        print(plan_text(recipe))
+        print(f"mtp-train: recipe and target checked; stopped because {e}.")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    positionals = [a for a in argv if not a.startswith("-")]
+    if positionals and positionals[0] not in (*RECIPE_STAGES, "verify"):
+        argv.insert(0, "run")
+    parser = build_parser()
+    # Overrides may follow flags (`RECIPE --dry-run a.b=c`), which argparse's
+    # positional list does not allow; collect them from the leftovers.
+    args, extra = parser.parse_known_args(argv)
+    unknown = [a for a in extra if a.startswith("-") or not hasattr(args, "overrides")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    if args.command is None:
+        print("mtp-train: give a recipe, e.g. `mtp-train recipes/tiny.yaml` (see --help)", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+    from mtp_train.errors import UserError
+
+    try:
+        return _dispatch(args)
+    except UserError as e:
+        print(f"mtp-train: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("mtp-train: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""The stages of a run, in order, and the plan that ``--dry-run`` prints."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from mtp_train.errors import StageNotBuilt
+from mtp_train.hf_checkpoint import check_tensor_parallel, find_checkpoint
+from mtp_train.recipe import Recipe
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One step of the pipeline: what it reads, what it writes, and how to run it."""
+
+    name: str
+    describe: Callable[[Recipe], str]
+    run: Callable[[Recipe], None] | None  # None: not built yet
+
+    @property
+    def built(self) -> bool:
+        return self.run is not None
+
+
+def _rel(path: Path) -> str:
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+STAGES: tuple[Stage, ...] = (
+    Stage(
+        "precompute",
+        lambda r: f"target {_rel(r.target.path)} over {len(r.data.train)} data file(s) "
+        f"-> features {_rel(r.features_dir)} (layers {r.precompute.layers}, top-{r.precompute.topk})",
+        None,
+    ),
+    Stage(
+        "train",
+        lambda r: f"{r.head.kind} head ({r.head.num_layers} layer(s), unroll {r.train.unroll}) "
+        f"-> {_rel(r.output_dir / 'head')}",
+        None,
+    ),
+    Stage(
+        "eval",
+        lambda r: f"speculative decoding on {', '.join(r.eval.prompt_sets)}, k={r.eval.k}, "
+        f"T={r.eval.temperatures} -> {_rel(r.output_dir / 'eval')}",
+        None,
+    ),
+    Stage("report", lambda r: f"JSON, Markdown and HTML -> {_rel(r.output_dir / 'report')}", None),
+)
+# Not part of a full run: exporting is asked for explicitly.
+EXPORT = Stage("export", lambda r: f"{_rel(r.output_dir / 'head')} -> DeepSeek-V3 MTP tensor names", None)
+STAGE_BY_NAME = {s.name: s for s in (*STAGES, EXPORT)}
+
+
+def check_inputs(recipe: Recipe) -> None:
+    """Checks that need the files the recipe names, but no heavy imports."""
+    ckpt = find_checkpoint(recipe.target.path)
+    check_tensor_parallel(ckpt, recipe.target.tp)
+
+
+def plan_text(recipe: Recipe, stages: tuple[Stage, ...] = STAGES) -> str:
+    lines = ["plan:"]
+    for i, stage in enumerate(stages, 1):
+        status = "" if stage.built else "  [not built yet]"
+        lines.append(f"  {i}. {stage.name:<10} {stage.describe(recipe)}{status}")
+    return "\n".join(lines)
+
+
+def run_stage(stage: Stage, recipe: Recipe) -> None:
+    if stage.run is None:
+        raise StageNotBuilt(f"stage '{stage.name}' is not built yet; nothing was run or written")
+    stage.run(recipe)

@@ -1,0 +1,273 @@
+"""The recipe: a strict schema (unknown keys are errors), YAML loading and dotted overrides.
+
+Relative paths in a recipe, including those given as overrides, resolve against the
+directory of the recipe file, so a recipe means the same thing from any working directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    ValidationInfo,
+    model_validator,
+)
+
+from mtp_train.errors import UserError
+
+
+def _resolve(path: Path, info: ValidationInfo) -> Path:
+    base = (info.context or {}).get("base_dir")
+    if base is not None and not path.is_absolute():
+        return (Path(base) / path).resolve()
+    return path
+
+
+RecipePath = Annotated[Path, AfterValidator(_resolve)]
+PROMPT_SETS = ("heldout", "spec_bench", "mt_bench", "humaneval", "gsm8k")
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class TargetConfig(Section):
+    """The frozen target model."""
+
+    path: RecipePath = Field(
+        description="HF-format checkpoint directory: `config.json`, `model.safetensors` or "
+        "`model.safetensors.index.json`, and the tokenizer files."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Compute dtype of the target. `auto` is float32 on CPU and bfloat16 on CUDA."
+    )
+    tp: PositiveInt = Field(
+        1, description="Tensor-parallel ranks for the target. Must divide its attention and KV heads."
+    )
+    attention_backend: Literal["auto", "torch", "flashinfer"] = Field(
+        "auto", description="Attention kernels: `auto` picks flashinfer on CUDA and torch otherwise."
+    )
+    trust_remote_code: bool = Field(
+        False, description="Allow the tokenizer's custom Python code to run. Off unless you trust the checkpoint."
+    )
+
+
+class SamplingConfig(Section):
+    """Sampling settings for generating answers."""
+
+    temperature: NonNegativeFloat = Field(0.0, description="0 is greedy.")
+    top_k: NonNegativeInt = Field(0, description="Keep the k most likely tokens; 0 turns it off.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass to keep; 1 turns it off.")
+    max_new_tokens: PositiveInt = Field(256, description="Longest generated answer, in tokens.")
+    seed: int = Field(0, description="Base seed; each request derives its own from it.")
+
+
+class DataConfig(Section):
+    """The training dataset."""
+
+    train: list[RecipePath] = Field(
+        description="Local JSONL, JSON or Parquet files, or saved HF dataset directories. "
+        "A single path may be given as a string."
+    )
+    format: Literal["auto", "sharegpt", "openai", "prompt_completion", "text"] = Field(
+        "auto", description="Row format; `auto` detects it per dataset."
+    )
+    max_length: PositiveInt = Field(
+        2048, description="Sequences longer than this many tokens are truncated, and the count is reported."
+    )
+    max_rows: PositiveInt | None = Field(None, description="Use only the first N rows; null uses all.")
+    heldout_rows: NonNegativeInt = Field(
+        64, description="Rows set aside by a seeded draw, never trained on; the eval's `heldout` prompt set."
+    )
+    skip_bad_rows: bool = Field(
+        False, description="Skip rows that fit no format (they are counted). Otherwise such a row is an error."
+    )
+    regenerate: bool = Field(
+        False, description="Replace the assistant turns with the target's own answers before precompute."
+    )
+    sampling: SamplingConfig = Field(
+        default_factory=SamplingConfig, description="Sampling used when `regenerate` is on."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _single_path(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("train"), str):
+            data = {**data, "train": [data["train"]]}
+        return data
+
+
+class PrecomputeConfig(Section):
+    """Stage 1: target features on disk."""
+
+    features_dir: RecipePath | None = Field(None, description="Where features go; null means `OUTPUT_DIR/features`.")
+    layers: list[int] = Field(
+        [-1],
+        min_length=1,
+        description="Decoder layers whose output hidden states are stored; negative counts from the end. "
+        "The last layer is stored before the final norm.",
+    )
+    topk: NonNegativeInt = Field(32, description="Top-K teacher log-probs stored per token; 0 stores none.")
+    shard_tokens: PositiveInt = Field(262144, description="Tokens per shard file.")
+    batch_tokens: PositiveInt = Field(16384, description="Tokens per target forward (packed, no padding).")
+
+
+class HeadConfig(Section):
+    """The draft head to train."""
+
+    kind: Literal["mtp", "eagle"] = Field(
+        "mtp", description="`mtp`: DeepSeek-V3 layout with the RMSNorms restored. `eagle`: the EAGLE-1 baseline."
+    )
+    num_layers: PositiveInt = Field(1, description="Decoder layers in the head.")
+    init: Literal["random", "target_last_layer"] = Field(
+        "random", description="Initialise the head's decoder layer randomly or from the target's last layer."
+    )
+
+
+class TrainConfig(Section):
+    """Stage 2: training the head."""
+
+    lr: PositiveFloat = Field(1e-3, description="Peak learning rate of AdamW.")
+    weight_decay: NonNegativeFloat = Field(0.0, description="AdamW weight decay.")
+    warmup_steps: NonNegativeInt = Field(50, description="Linear warmup steps, then cosine decay.")
+    epochs: PositiveFloat = Field(1.0, description="Passes over the training features.")
+    batch_tokens: PositiveInt = Field(8192, description="Tokens per optimizer step per process.")
+    grad_clip: PositiveFloat = Field(1.0, description="Clip the global gradient norm to this value.")
+    unroll: PositiveInt = Field(1, description="Unrolled draft steps; step j feeds on the head's own step j-1 output.")
+    unroll_decay: float = Field(0.8, gt=0.0, le=1.0, description="Loss weight of unrolled step j is `decay**j`.")
+    w_hidden: NonNegativeFloat = Field(0.1, description="Weight of SmoothL1(draft hidden, target hidden).")
+    w_logits: NonNegativeFloat = Field(1.0, description="Weight of KL(target || draft).")
+    teacher: Literal["topk", "exact"] = Field(
+        "topk",
+        description="Target distribution: stored top-K plus log-sum-exp, or exact `lm_head(final_norm(h))`.",
+    )
+    engine: Literal["ddp", "deepspeed"] = Field("ddp", description="accelerate DDP, or DeepSpeed ZeRO.")
+    zero_stage: Literal[1, 2] = Field(1, description="DeepSpeed ZeRO stage when `engine: deepspeed`.")
+    save_every: PositiveInt = Field(200, description="Steps between resumable checkpoints.")
+    val_every: PositiveInt = Field(200, description="Steps between validation passes.")
+    wandb_project: str | None = Field(None, description="wandb project; null turns wandb off.")
+
+    @model_validator(mode="after")
+    def _some_loss(self) -> TrainConfig:
+        if self.w_hidden == 0 and self.w_logits == 0:
+            raise ValueError("w_hidden and w_logits are both 0; set at least one above 0")
+        return self
+
+
+class EvalConfig(Section):
+    """Stage 3: speculative decoding and the report."""
+
+    k: list[PositiveInt] = Field([1, 2, 3, 4], min_length=1, description="Draft lengths to sweep.")
+    temperatures: list[NonNegativeFloat] = Field([0.0, 1.0], min_length=1, description="Temperatures to sweep.")
+    prompt_sets: list[Literal[PROMPT_SETS]] = Field(  # type: ignore[valid-type]
+        ["heldout"], min_length=1, description="Prompt sets: " + ", ".join(f"`{s}`" for s in PROMPT_SETS) + "."
+    )
+    max_prompts: PositiveInt = Field(64, description="Prompts used per prompt set.")
+    max_new_tokens: PositiveInt = Field(128, description="Tokens generated per prompt.")
+    baseline: RecipePath | None = Field(None, description="A previous `report.json` to compare against.")
+
+
+class Recipe(Section):
+    """A whole run: precompute, train, eval and report."""
+
+    output_dir: RecipePath = Field(description="Everything the run writes goes under this directory.")
+    seed: int = Field(0, description="Seed for data order, initialisation and sampling.")
+    target: TargetConfig
+    data: DataConfig
+    precompute: PrecomputeConfig = Field(default_factory=PrecomputeConfig)
+    head: HeadConfig = Field(default_factory=HeadConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    @property
+    def features_dir(self) -> Path:
+        return self.precompute.features_dir or self.output_dir / "features"
+
+
+def _format_error(source: str, err: ValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key; check its spelling against the recipe reference in README.md"
+        elif e["type"] == "missing":
+            msg = "required field is missing"
+        elif "input" in e and not isinstance(e["input"], (dict, list)):
+            msg += f" (got {e['input']!r})"
+        parts.append(f"{where}: {msg}")
+    return f"{source}: " + "; ".join(parts)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Split ``a.b.c=value`` into its key path and a YAML-parsed value."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key or any(not p for p in key.split(".")):
+        raise UserError(f"override {text!r}: expected KEY.PATH=VALUE, for example train.lr=1e-4")
+    try:
+        value = yaml.safe_load(raw) if raw else None
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Return a copy of ``data`` with each ``a.b=value`` override set."""
+    import copy
+
+    data = copy.deepcopy(data)
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = data
+        for i, k in enumerate(keys[:-1]):
+            child = node.setdefault(k, {})
+            if not isinstance(child, dict):
+                raise UserError(f"override {text!r}: {'.'.join(keys[: i + 1])} is not a section")
+            node = child
+        node[keys[-1]] = value
+    return data
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    """Read a recipe file as a mapping; every failure is a one-line UserError."""
+    if not path.is_file():
+        raise UserError(f"{path}: recipe file not found")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise UserError(f"{path}: invalid YAML{where}: {e.problem}") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: invalid YAML: {e}") from None
+    if data is None:
+        raise UserError(f"{path}: recipe is empty")
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: a recipe must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def load_recipe(path: Path, overrides: list[str] | None = None) -> Recipe:
+    """Read, override and validate a recipe file."""
+    path = Path(path)
+    data = apply_overrides(read_yaml(path), overrides or [])
+    try:
+        return Recipe.model_validate(data, context={"base_dir": path.resolve().parent})
+    except ValidationError as e:
+        raise UserError(_format_error(str(path), e)) from None
+
+
+def recipe_to_yaml(recipe: Recipe) -> str:
+    """The resolved recipe, every default filled in, as YAML."""
+    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)

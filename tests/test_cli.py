@@ -1,0 +1,173 @@
+"""The command line: one-line user errors with exit 2, dry-run, stage status, fast --help."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, TINY_RECIPE, TINY_TARGET, run_cli
+
+
+def assert_one_line_user_error(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    assert proc.stdout == ""
+
+
+def test_help_is_fast_and_imports_no_torch():
+    start = time.perf_counter()
+    proc = run_cli("--help")
+    elapsed = time.perf_counter() - start
+    assert proc.returncode == 0
+    assert "precompute" in proc.stdout and "verify" in proc.stdout
+    assert elapsed < 2.0, f"--help took {elapsed:.2f}s"
+    probe = subprocess.run(
+        [sys.executable, "-c", "import sys, mtp_train.cli as c; c.build_parser(); "
+         "print(sorted(m for m in ('torch', 'transformers', 'pydantic', 'yaml') if m in sys.modules))"],
+        capture_output=True, text=True, check=True,
+    )
+    assert probe.stdout.strip() == "[]"
+
+
+def test_missing_recipe_file():
+    assert_one_line_user_error(run_cli("nope.yaml"), "nope.yaml", "not found")
+
+
+def test_bad_yaml(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("target: {path: [\n")
+    assert_one_line_user_error(run_cli(path), str(path), "invalid YAML")
+
+
+def test_unknown_key(tmp_path):
+    data = yaml.safe_load(TINY_RECIPE.read_text())
+    data["train"]["learning_rate"] = 1e-3
+    data["target"]["path"] = str(TINY_TARGET)
+    path = tmp_path / "typo.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert_one_line_user_error(run_cli(path), str(path), "train.learning_rate", "unknown key")
+
+
+def test_wrong_type():
+    assert_one_line_user_error(run_cli(TINY_RECIPE, "train.epochs=many"), "train.epochs", "valid number")
+
+
+def test_negative_lr():
+    assert_one_line_user_error(run_cli(TINY_RECIPE, "train.lr=-0.1"), "train.lr", "greater than 0")
+
+
+def test_tp_that_does_not_divide_the_heads():
+    heads = json.loads((TINY_TARGET / "config.json").read_text())["num_attention_heads"]
+    assert_one_line_user_error(run_cli(TINY_RECIPE, f"target.tp={heads + 1}"), "target.tp", f"{heads} attention heads")
+
+
+def test_tp_that_does_not_divide_the_kv_heads():
+    config = json.loads((TINY_TARGET / "config.json").read_text())
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    assert heads != kv, "the tiny target uses GQA"
+    tp = next(t for t in range(2, heads + 1) if heads % t == 0 and kv % t)
+    assert_one_line_user_error(run_cli(TINY_RECIPE, f"target.tp={tp}"), "target.tp", f"{kv} KV heads")
+
+
+def test_missing_target_checkpoint(tmp_path):
+    assert_one_line_user_error(run_cli(TINY_RECIPE, f"target.path={tmp_path / 'gone'}"), "target.path", "not found")
+
+
+def test_target_without_weights(tmp_path):
+    (tmp_path / "config.json").write_text((TINY_TARGET / "config.json").read_text())
+    assert_one_line_user_error(run_cli(TINY_RECIPE, f"target.path={tmp_path}"), "target.path", "model.safetensors")
+
+
+def test_sharded_index_naming_a_missing_file(tmp_path):
+    (tmp_path / "config.json").write_text((TINY_TARGET / "config.json").read_text())
+    index = {"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert_one_line_user_error(run_cli(TINY_RECIPE, f"target.path={tmp_path}"), "model-00001-of-00002.safetensors")
+
+
+def test_bad_override_syntax():
+    assert_one_line_user_error(run_cli(TINY_RECIPE, "train.lr"), "train.lr", "KEY.PATH=VALUE")
+
+
+def test_unknown_flag_is_one_line():
+    assert_one_line_user_error(run_cli(TINY_RECIPE, "--frobnicate"), "--frobnicate")
+
+
+def test_dry_run_prints_resolved_recipe_and_plan():
+    proc = run_cli(TINY_RECIPE, "--dry-run", "train.lr=5e-4", "head.kind=eagle")
+    assert proc.returncode == 0, proc.stderr
+    resolved_text, plan = proc.stdout.split("plan:\n")
+    resolved = yaml.safe_load(resolved_text)
+    assert resolved["train"]["lr"] == pytest.approx(5e-4)
+    assert resolved["head"]["kind"] == "eagle"
+    assert resolved["train"]["grad_clip"] == 1.0, "defaults are filled in"
+    assert Path(resolved["target"]["path"]) == TINY_TARGET.resolve()
+    steps = [line.split()[1] for line in plan.strip().splitlines()]
+    assert steps == ["precompute", "train", "eval", "report"]
+    assert "eagle head" in plan
+
+
+def test_dry_run_of_one_stage_plans_only_that_stage():
+    proc = run_cli("train", TINY_RECIPE, "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    plan = proc.stdout.split("plan:\n")[1]
+    assert [line.split()[1] for line in plan.strip().splitlines()] == ["train"]
+
+
+def test_dry_run_flag_may_come_first():
+    assert run_cli("--dry-run", TINY_RECIPE).returncode == 0
+
+
+def test_dry_run_still_refuses_bad_input():
+    assert_one_line_user_error(run_cli(TINY_RECIPE, "--dry-run", "head.num_layers=0"), "head.num_layers")
+
+
+@pytest.mark.parametrize("stage", ["precompute", "train", "eval", "report", "export"])
+def test_stages_not_built_say_so_and_exit_nonzero(stage, tmp_path):
+    proc = run_cli(stage, TINY_RECIPE, f"output_dir={tmp_path / 'out'}")
+    assert proc.returncode == 3
+    assert "not built yet" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "out").exists(), "a stage that does not exist writes nothing"
+
+
+def test_verify_not_built_yet(tmp_path):
+    proc = run_cli("verify", tmp_path)
+    assert proc.returncode == 3 and "not built yet" in proc.stderr
+
+
+def test_full_run_states_where_it_stops(tmp_path):
+    proc = run_cli(TINY_RECIPE, f"output_dir={tmp_path / 'out'}")
+    assert proc.returncode == 0, proc.stderr
+    assert "stopped because stage 'precompute' is not built yet" in proc.stdout
+    assert not (tmp_path / "out").exists()
+
+
+def test_samples_dry_run_against_their_real_model_configs(tmp_path):
+    """The 70B sample's TP=8 divides Llama-3.3-70B's 64 heads and 8 KV heads."""
+    config = {"model_type": "llama", "num_attention_heads": 64, "num_key_value_heads": 8}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "w.safetensors"}}))
+    (tmp_path / "w.safetensors").write_bytes(b"")
+    proc = run_cli(REPO / "recipes/llama3.3-70b.yaml", f"target.path={tmp_path}", "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    assert_one_line_user_error(
+        run_cli(REPO / "recipes/llama3.3-70b.yaml", f"target.path={tmp_path}", "target.tp=16", "--dry-run"),
+        "16 does not divide the target's 8 KV heads",
+    )
+
+
+def test_runs_from_any_working_directory(tmp_path):
+    shutil.copy(TINY_RECIPE, tmp_path / "copy.yaml")
+    proc = run_cli(REPO / "recipes" / "tiny.yaml", "--dry-run", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
