@@ -1,0 +1,124 @@
+"""HF checkpoint -> runtime parameters, in one table, and safetensors loading.
+
+Weights are read with ``safetensors.safe_open`` only, tensor by tensor, and sliced for this
+tensor-parallel rank before they are materialised, so no rank ever holds the whole model.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from mtp_train.errors import UserError
+from mtp_train.hf_checkpoint import CheckpointFiles, find_checkpoint
+from mtp_train.models.config import ModelConfig
+from mtp_train.models.rope import RotaryEmbedding
+from mtp_train.models.transformer import Transformer
+from mtp_train.runtime.tp import TensorParallel
+
+COLUMN, ROW = 0, 1  # TP split along output rows (column-parallel) or input columns (row-parallel)
+Source = tuple[str, int | None]  # (HF name, TP split or None for replicated)
+
+# Runtime parameter -> the HF tensors it is made of, concatenated along dim 0 in this order
+# (q|k|v and gate|up are fused into one matmul each). Layer entries are relative to the layer.
+GLOBAL_PARAMS: dict[str, list[Source]] = {
+    "tok_embeddings.weight": [("model.embed_tokens.weight", None)],
+    "norm.weight": [("model.norm.weight", None)],
+    "output.weight": [("lm_head.weight", None)],
+}
+LAYER_PARAMS: dict[str, list[Source]] = {
+    "attention_norm.weight": [("input_layernorm.weight", None)],
+    "attention.wqkv.weight": [(f"self_attn.{x}_proj.weight", COLUMN) for x in "qkv"],
+    "attention.wqkv.bias": [(f"self_attn.{x}_proj.bias", COLUMN) for x in "qkv"],
+    "attention.wo.weight": [("self_attn.o_proj.weight", ROW)],
+    "attention.wo_bias": [("self_attn.o_proj.bias", None)],
+    "attention.q_norm.weight": [("self_attn.q_norm.weight", None)],
+    "attention.k_norm.weight": [("self_attn.k_norm.weight", None)],
+    "ffn_norm.weight": [("post_attention_layernorm.weight", None)],
+    "feed_forward.w_gate_up.weight": [("mlp.gate_proj.weight", COLUMN), ("mlp.up_proj.weight", COLUMN)],
+    "feed_forward.w_gate_up.bias": [("mlp.gate_proj.bias", COLUMN), ("mlp.up_proj.bias", COLUMN)],
+    "feed_forward.w_down.weight": [("mlp.down_proj.weight", ROW)],
+    "feed_forward.w_down_bias": [("mlp.down_proj.bias", None)],
+}
+_OURS_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+
+
+def hf_sources(name: str) -> list[Source]:
+    """The HF tensors (and their TP split) that make up runtime parameter ``name``."""
+    if name in GLOBAL_PARAMS:
+        return GLOBAL_PARAMS[name]
+    m = _OURS_LAYER.match(name)
+    if m and m.group(2) in LAYER_PARAMS:
+        return [(f"model.layers.{m.group(1)}.{hf}", split) for hf, split in LAYER_PARAMS[m.group(2)]]
+    raise KeyError(name)
+
+
+def _weight_locations(ckpt: CheckpointFiles) -> dict[str, Path]:
+    """Every tensor name in the checkpoint -> the file holding it (headers only)."""
+    where: dict[str, Path] = {}
+    for path in ckpt.weight_files:
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():
+                where[key] = path
+    return where
+
+
+def read_tensors(root: Path, names: list[str], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Read only the HF tensors ``names`` from a checkpoint (single file or sharded index)."""
+    ckpt = find_checkpoint(root)
+    where = _weight_locations(ckpt)
+    out = {}
+    for name in names:
+        if name not in where:
+            raise UserError(f"{root}: tensor {name!r} is missing from the checkpoint")
+        with safe_open(where[name], framework="pt") as f:
+            t = f.get_tensor(name)
+        out[name] = t if dtype is None else t.to(dtype)
+    return out
+
+
+def _read_shard(f, name: str, split: int | None, tp: TensorParallel) -> torch.Tensor:
+    if split is None or tp.size == 1:
+        return f.get_tensor(name)
+    sl = f.get_slice(name)
+    start, stop = tp.shard(sl.get_shape()[split], f"rows of {name}")
+    return sl[start:stop] if split == COLUMN else sl[:, start:stop]
+
+
+def load_transformer(
+    root: Path,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    tp: TensorParallel = TensorParallel(),
+) -> Transformer:
+    """Build the runtime model for an HF checkpoint directory and load its weights (this rank's shard)."""
+    ckpt = find_checkpoint(root)
+    cfg = ModelConfig.from_hf(ckpt.config, str(root / "config.json"))
+    with torch.device("meta"):
+        model = Transformer(cfg, tp)
+    where = _weight_locations(ckpt)
+    handles: dict[Path, object] = {}
+    state: dict[str, torch.Tensor] = {}
+    try:
+        for name in model.state_dict():
+            sources = hf_sources(name)
+            if name == "output.weight" and "lm_head.weight" not in where and cfg.tie_word_embeddings:
+                sources = GLOBAL_PARAMS["tok_embeddings.weight"]
+            parts = []
+            for hf, split in sources:
+                if hf not in where:
+                    raise UserError(f"{root}: weight {hf!r} is missing from the checkpoint")
+                if where[hf] not in handles:
+                    handles[where[hf]] = safe_open(where[hf], framework="pt")
+                parts.append(_read_shard(handles[where[hf]], hf, split, tp))
+            state[name] = (parts[0] if len(parts) == 1 else torch.cat(parts)).to(device=device, dtype=dtype)
+    finally:
+        handles.clear()
+    if cfg.tie_word_embeddings and "lm_head.weight" not in where:
+        state["output.weight"] = state["tok_embeddings.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    model.rope = RotaryEmbedding(cfg.head_dim, cfg.rope).to(device)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,147 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over packed tokens and paged KV.
+
+Every forward takes a flat batch: ``tokens [T]`` and ``positions [T]`` of all sequences
+concatenated, plus the step's attention plan. Family differences are options of one
+module: q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3), sliding window (Mistral),
+Llama 3 RoPE scaling. Under tensor parallelism each rank holds a slice of the heads and
+of the MLP channels; the row-parallel projections are summed with an all-reduce.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtp_train.models.config import ModelConfig
+from mtp_train.models.rope import RotaryEmbedding
+from mtp_train.runtime.attention import StepAttention as AttentionPlan
+from mtp_train.runtime.tp import TensorParallel
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op
+        # Low precision: statistics in fp32, then scale in the input dtype, as HF does.
+        normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.n_heads = cfg.num_heads // tp.size
+        self.n_kv_heads = cfg.num_kv_heads // tp.size
+        self.tp = tp
+        # q, k and v projections in one matmul: rows [q heads | k heads | v heads] of this rank.
+        self.wqkv = nn.Linear(cfg.hidden_size, (self.n_heads + 2 * self.n_kv_heads) * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(self.n_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        # Row-parallel bias is added once, after the all-reduce.
+        self.wo_bias = nn.Parameter(torch.zeros(cfg.hidden_size)) if cfg.o_bias else None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        plan: AttentionPlan,
+        kv: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """``x [T, hidden]`` -> ``[T, hidden]``; writes this step's K/V into the ``kv`` pages."""
+        t = x.shape[0]
+        qkv = self.wqkv(x).view(t, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
+        qk, v = qkv.split([self.n_heads + self.n_kv_heads, self.n_kv_heads], dim=1)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = qk.split([self.n_heads, self.n_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        q, k = RotaryEmbedding.rotate(qk, *cos_sin).split([self.n_heads, self.n_kv_heads], dim=1)
+        out = plan.attend(q, k, v, kv[0], kv[1]).reshape(t, self.n_heads * self.head_dim)
+        out = self.tp.all_reduce(self.wo(out))
+        return out if self.wo_bias is None else out + self.wo_bias
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
+        super().__init__()
+        inter = cfg.intermediate_size // tp.size
+        self.tp = tp
+        self.w_gate_up = nn.Linear(cfg.hidden_size, 2 * inter, bias=cfg.mlp_bias)  # rows [gate | up]
+        self.w_down = nn.Linear(inter, cfg.hidden_size, bias=False)
+        self.w_down_bias = nn.Parameter(torch.zeros(cfg.hidden_size)) if cfg.mlp_bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w_gate_up(x).chunk(2, dim=-1)
+        out = self.tp.all_reduce(self.w_down(F.silu(gate) * up))
+        return out if self.w_down_bias is None else out + self.w_down_bias
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attention = Attention(cfg, tp)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.feed_forward = FeedForward(cfg, tp)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        plan: AttentionPlan,
+        kv: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos_sin, plan, kv)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Embedding, decoder layers, final norm and lm_head (``output``), replicated except the layers."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = TensorParallel()) -> None:
+        super().__init__()
+        for n, what in ((cfg.num_heads, "attention heads"), (cfg.num_kv_heads, "KV heads")):
+            tp.shard(n, what)
+        tp.shard(cfg.intermediate_size, "MLP channels")
+        self.cfg = cfg
+        self.tp = tp
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        plan: AttentionPlan,
+        kv_cache: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        capture: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Run the decoder over packed ``tokens [T]`` at ``positions [T]``.
+
+        Returns the last layer's output **before** the final norm ``[T, hidden]`` and the
+        outputs of the layers listed in ``capture`` (0-based layer ids), each ``[T, hidden]``.
+        """
+        x = self.tok_embeddings(tokens)
+        cos_sin = self.rope.cos_sin(positions, x.dtype)
+        captured: dict[int, torch.Tensor] = {}
+        wanted = set(capture)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos_sin, plan, kv_cache[i])
+            if i in wanted:
+                captured[i] = x
+        return x, [captured[i] for i in capture]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden]`` pre-norm states -> ``[T, vocab]`` float32 logits."""
+        return self.output(self.norm(hidden)).float()

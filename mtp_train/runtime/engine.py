@@ -1,0 +1,246 @@
+"""The inference engine: ``generate()`` with continuous batching and ``score()`` for teacher-forced features.
+
+One decode step, top to bottom: ``Scheduler.schedule()`` picks the sequences and their new
+tokens -> ``build_batch()`` packs them into flat metadata -> the backend ``plan()``s the
+step's attention -> ``Transformer.forward()`` writes K/V into the pages and returns hidden
+states -> ``logits()`` at each sequence's last token -> ``sample()`` -> ``Sequence.append()``
+-> finished sequences free their pages.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from mtp_train.models.checkpoint import load_transformer
+from mtp_train.models.transformer import Transformer
+from mtp_train.runtime.attention import select_backend
+from mtp_train.runtime.batch import BatchMetadata, build_batch
+from mtp_train.errors import UserError
+from mtp_train.runtime.kv_cache import KVPool, OutOfPages, PageAllocator
+from mtp_train.runtime.sampling import SamplingParams, sample
+from mtp_train.runtime.scheduler import Scheduler
+from mtp_train.runtime.sequence import RequestStats, Sequence, Status
+from mtp_train.runtime.tp import TensorParallel
+
+LOGITS_CHUNK = 2048  # tokens per lm_head call in score(), so [chunk, vocab] stays small
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]
+    stats: RequestStats
+
+
+@dataclass
+class ScoreOutput:
+    """Teacher-forced features of packed sequences (``T`` tokens, ``S`` sequences, ``L`` layers).
+
+    - ``cu_seqlens [S+1]`` int64 offsets of the sequences;
+    - ``hidden [T, L, H]``: outputs of the requested layers; the last layer is taken **before** the final norm;
+    - ``topk_logprobs [T, K]`` float32 and ``topk_ids [T, K]`` int64: the target's top-K next-token log-probs;
+    - ``logsumexp [T]`` float32: log-sum-exp of the full logits, so the probabilities are recoverable.
+    """
+
+    cu_seqlens: torch.Tensor
+    hidden: torch.Tensor
+    topk_logprobs: torch.Tensor
+    topk_ids: torch.Tensor
+    logsumexp: torch.Tensor
+    layers: list[int] = field(default_factory=list)
+
+
+def default_stop_ids(root: Path) -> tuple[int, ...]:
+    """End-of-sequence ids from ``generation_config.json``, else ``config.json``."""
+    for name in ("generation_config.json", "config.json"):
+        path = root / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            if eos is not None:
+                return tuple(eos) if isinstance(eos, list) else (int(eos),)
+    return ()
+
+
+class Engine:
+    def __init__(
+        self,
+        model: Transformer,
+        *,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        kv_bytes: int = 512 * 2**20,
+        max_batch_tokens: int = 8192,
+        max_seqs: int = 256,
+        backend: str = "auto",
+        stop_ids: tuple[int, ...] = (),
+    ) -> None:
+        self.model = model
+        self.cfg = model.cfg
+        self.tp: TensorParallel = model.tp
+        self.device = model.output.weight.device
+        dtype = model.output.weight.dtype
+        if num_pages is None:
+            num_pages = KVPool.pages_for_budget(self.cfg, page_size, kv_bytes, dtype, self.tp.size)
+        self.allocator = PageAllocator(num_pages, page_size)
+        self.kv = KVPool(self.cfg, self.allocator, dtype, self.device, self.tp.size)
+        self.backend = select_backend(backend, self.device, self.cfg.sliding_window, dtype)
+        self.max_batch_tokens = max_batch_tokens
+        self.max_seqs = max_seqs
+        self.stop_ids = stop_ids
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        root: Path | str,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        tp: TensorParallel = TensorParallel(),
+        **kwargs,
+    ) -> Engine:
+        root = Path(root)
+        model = load_transformer(root, dtype=dtype, device=device, tp=tp)
+        return cls(model, stop_ids=default_stop_ids(root), **kwargs)
+
+    # -- one forward -------------------------------------------------------------------------------------
+
+    def forward(self, meta: BatchMetadata, capture: list[int] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Run the model over a packed batch whose pages are reserved. Returns pre-norm hidden ``[T, H]``."""
+        cfg = self.cfg
+        step = self.backend.plan(meta, cfg.num_heads // self.tp.size, cfg.num_kv_heads // self.tp.size, cfg.head_dim)
+        return self.model(meta.tokens, meta.positions, step, self.kv.layers, capture)
+
+    def run_scheduled(
+        self, scheduled: list[tuple[Sequence, list[int]]], capture: list[int] = ()
+    ) -> tuple[BatchMetadata, torch.Tensor, list[torch.Tensor]]:
+        """Forward each sequence's new tokens, whose pages are already reserved (``seq.cached`` counts them)."""
+        meta = build_batch(
+            [new for _, new in scheduled],
+            [seq.cached - len(new) for seq, new in scheduled],
+            [seq.pages.pages for seq, _ in scheduled],
+            self.allocator.page_size,
+            self.device,
+        )
+        hidden, captured = self.forward(meta, capture)
+        return meta, hidden, captured
+
+    def extend(
+        self, scheduled: list[tuple[Sequence, list[int]]], capture: list[int] = ()
+    ) -> tuple[BatchMetadata, torch.Tensor, list[torch.Tensor]]:
+        """Reserve pages for each sequence's new tokens and forward them (prefill, decode or verify).
+
+        Raises ``OutOfPages`` before touching anything when the pages do not suffice.
+        """
+        need = sum(self.allocator.pages_needed(seq.pages, len(new)) for seq, new in scheduled)
+        if need > self.allocator.num_free:
+            raise OutOfPages(f"need {need} pages, {self.allocator.num_free} free")
+        for seq, new in scheduled:
+            self.allocator.reserve(seq.pages, len(new))
+        return self.run_scheduled(scheduled, capture)
+
+    def release(self, seq: Sequence) -> None:
+        self.allocator.free(seq.pages)
+
+    # -- generate ----------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] = SamplingParams()
+    ) -> list[GenerationResult]:
+        """Decode every prompt to completion with continuous batching; results are in prompt order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        scheduler = Scheduler(self.allocator, self.max_batch_tokens, self.max_seqs)
+        seqs = []
+        for i, (prompt, p) in enumerate(zip(prompts, plist, strict=True)):
+            if not prompt:
+                raise ValueError(f"request {i}: empty prompt")
+            stop = self.stop_ids if p.stop_token_ids is None else p.stop_token_ids
+            gen = torch.Generator().manual_seed(p.seed) if not p.greedy else None
+            seq = Sequence(i, list(prompt), p, frozenset(stop), len(prompt), generator=gen)
+            seq.stats.prompt_tokens = len(prompt)
+            scheduler.add(seq)
+            seqs.append(seq)
+        while not scheduler.done:
+            self.step(scheduler)
+        return [GenerationResult(seq.output, seq.stats) for seq in seqs]
+
+    def step(self, scheduler: Scheduler) -> None:
+        """One continuous-batching step: schedule, forward, sample, retire finished sequences."""
+        scheduled = scheduler.schedule()
+        if not scheduled:
+            raise RuntimeError("scheduler produced an empty batch with work pending")
+        meta, hidden, _ = self.run_scheduled(scheduled)
+        logits = self.model.logits(hidden[meta.last_token_index])
+        seqs = [seq for seq, _ in scheduled]
+        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        tokens = self.tp.broadcast(tokens.to(self.device)).tolist()
+        for seq, token in zip(seqs, tokens):
+            seq.stats.forward_steps += 1
+            seq.append(int(token), self.cfg.max_positions)
+            if seq.status is Status.FINISHED:
+                scheduler.retire(seq)
+
+    # -- score -------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def score(self, sequences: list[list[int]], layers: list[int] = (-1,), topk: int = 0) -> ScoreOutput:
+        """Teacher-forced forward over ``sequences``, packed into token-budget batches.
+
+        ``layers`` are decoder layer ids (negative counts from the end). Row t of the outputs
+        describes the prediction made at token t, i.e. the distribution of token t+1.
+        """
+        n_layers = self.cfg.num_layers
+        layer_ids = [lid % n_layers for lid in layers]
+        for lid in layers:
+            if not -n_layers <= lid < n_layers:
+                raise ValueError(f"layer {lid} is out of range for a {n_layers}-layer model")
+        hidden, lp, ids, lse = [], [], [], []
+        start = 0
+        while start < len(sequences):
+            stop, total = start, 0
+            while stop < len(sequences) and (stop == start or total + len(sequences[stop]) <= self.max_batch_tokens):
+                total += len(sequences[stop])
+                stop += 1
+            try:
+                out = self._score_batch(sequences[start:stop], layer_ids, topk)
+            except OutOfPages:
+                if stop - start == 1:
+                    raise UserError(
+                        f"sequence {start} ({len(sequences[start])} tokens) does not fit the KV cache; raise its budget"
+                    ) from None
+                stop = start + (stop - start) // 2  # fewer sequences per batch, then retry
+                continue
+            for acc, part in zip((hidden, lp, ids, lse), out):
+                acc.append(part)
+            start = stop
+        lens = torch.tensor([len(s) for s in sequences], dtype=torch.int64)
+        cu = torch.zeros(len(sequences) + 1, dtype=torch.int64)
+        cu[1:] = torch.cumsum(lens, 0)
+        return ScoreOutput(cu, torch.cat(hidden), torch.cat(lp), torch.cat(ids), torch.cat(lse), layer_ids)
+
+    def _score_batch(
+        self, batch: list[list[int]], layer_ids: list[int], topk: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        seqs = [Sequence(i, [], SamplingParams(), frozenset(), 0) for i in range(len(batch))]
+        try:
+            last = self.cfg.num_layers - 1
+            inner = [lid for lid in layer_ids if lid != last]
+            _, final, captured = self.extend(list(zip(seqs, batch)), inner)
+            by_layer = dict(zip(inner, captured))
+            by_layer[last] = final
+            hidden = torch.stack([by_layer[lid] for lid in layer_ids], dim=1)
+            lps, ids, lses = [], [], []
+            for i in range(0, final.shape[0], LOGITS_CHUNK):
+                logits = self.model.logits(final[i : i + LOGITS_CHUNK])
+                lse = torch.logsumexp(logits, dim=-1)
+                values, idx = torch.topk(logits, topk, dim=-1) if topk else (logits[:, :0], logits[:, :0].long())
+                lps.append(values - lse[:, None])
+                ids.append(idx)
+                lses.append(lse)
+            return hidden, torch.cat(lps), torch.cat(ids), torch.cat(lses)
+        finally:
+            for seq in seqs:
+                self.release(seq)
+

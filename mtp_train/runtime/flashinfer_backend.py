@@ -1,0 +1,62 @@
+"""FlashInfer attention on CUDA: paged prefill/append wrapper (plan once per step, run per layer).
+
+Imported only when the flashinfer backend is selected. Every batch kind (prefill, decode,
+verify) is a causal "append" over paged KV, so one wrapper serves them all. Index arrays are int32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mtp_train.runtime.batch import BatchMetadata
+
+WORKSPACE_BYTES = 128 * 1024 * 1024
+
+
+class FlashInferStep:
+    def __init__(self, backend: FlashInferAttention, meta: BatchMetadata, num_heads: int, num_kv_heads: int,
+                 head_dim: int) -> None:
+        import flashinfer
+
+        self._flashinfer = flashinfer
+        self.meta = meta
+        backend.wrapper.plan(
+            meta.qo_indptr,
+            meta.page_indptr,
+            meta.page_indices,
+            meta.last_page_len,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            meta.page_size,
+            causal=True,
+            window_left=-1 if backend.sliding_window is None else backend.sliding_window - 1,
+            q_data_type=backend.dtype,
+            kv_data_type=backend.dtype,
+        )
+        self.wrapper = backend.wrapper
+        self.batch_indices, self.positions = flashinfer.get_batch_indices_positions(
+            meta.qo_indptr, meta.kv_lens, meta.tokens.numel()
+        )
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch.Tensor:
+        self._flashinfer.append_paged_kv_cache(
+            k.to(k_cache.dtype), v.to(v_cache.dtype), self.batch_indices, self.positions, (k_cache, v_cache),
+            self.meta.page_indices, self.meta.page_indptr, self.meta.last_page_len, kv_layout="NHD",
+        )
+        return self.wrapper.run(q.to(k_cache.dtype), (k_cache, v_cache)).to(q.dtype)
+
+
+class FlashInferAttention:
+    def __init__(self, device: torch.device, sliding_window: int | None, dtype: torch.dtype = torch.bfloat16) -> None:
+        import flashinfer
+
+        self.sliding_window = sliding_window
+        self.dtype = dtype
+        workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout="NHD")
+
+    def plan(self, meta: BatchMetadata, num_heads: int, num_kv_heads: int, head_dim: int) -> FlashInferStep:
+        return FlashInferStep(self, meta, num_heads, num_kv_heads, head_dim)

@@ -1,0 +1,79 @@
+"""Paged KV cache: one page allocator shared by every model of an engine, and a page pool per model.
+
+A page id indexes the same page in every pool, so one allocation reserves KV room for the
+target and the draft at once, and freeing or truncating a sequence releases both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mtp_train.models.config import ModelConfig
+
+
+class OutOfPages(Exception):
+    """Not enough free pages right now. Recoverable: the scheduler waits or preempts."""
+
+
+@dataclass
+class PageTable:
+    """The pages of one sequence, in order, and how many token slots are filled."""
+
+    pages: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+class PageAllocator:
+    """Free-list allocator of ``num_pages`` pages of ``page_size`` token slots."""
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self._free = list(range(num_pages - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def pages_needed(self, table: PageTable, new_tokens: int) -> int:
+        total = table.num_tokens + new_tokens
+        return max(0, -(-total // self.page_size) - len(table.pages))
+
+    def reserve(self, table: PageTable, new_tokens: int) -> None:
+        """Grow ``table`` so that ``new_tokens`` more tokens fit; all or nothing."""
+        need = self.pages_needed(table, new_tokens)
+        if need > len(self._free):
+            raise OutOfPages(f"need {need} pages, {len(self._free)} free")
+        for _ in range(need):
+            table.pages.append(self._free.pop())
+        table.num_tokens += new_tokens
+
+    def truncate(self, table: PageTable, num_tokens: int) -> None:
+        """Keep only the first ``num_tokens`` tokens (rejected speculative tokens go), freeing emptied pages."""
+        keep = -(-num_tokens // self.page_size)
+        while len(table.pages) > keep:
+            self._free.append(table.pages.pop())
+        table.num_tokens = min(table.num_tokens, num_tokens)
+
+    def free(self, table: PageTable) -> None:
+        self.truncate(table, 0)
+
+
+class KVPool:
+    """K and V pages of one model: ``k[layer]`` and ``v[layer]`` are ``[num_pages, page_size, kv_heads, head_dim]``."""
+
+    def __init__(
+        self, cfg: ModelConfig, allocator: PageAllocator, dtype: torch.dtype, device: torch.device, tp_size: int = 1
+    ) -> None:
+        shape = (cfg.num_layers, allocator.num_pages, allocator.page_size, cfg.num_kv_heads // tp_size, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.layers = [(self.k[i], self.v[i]) for i in range(cfg.num_layers)]  # per-layer views
+
+    @staticmethod
+    def pages_for_budget(cfg: ModelConfig, page_size: int, bytes_budget: int, dtype: torch.dtype, tp_size: int) -> int:
+        """How many pages of this model fit in ``bytes_budget``."""
+        per_page = 2 * cfg.num_layers * page_size * (cfg.num_kv_heads // tp_size) * cfg.head_dim * dtype.itemsize
+        return max(1, bytes_budget // per_page)

@@ -1,0 +1,55 @@
+"""Tensor-parallel group: which slice of the heads this rank owns, and the all-reduce after row-parallel layers."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """Rank ``rank`` of ``size`` ranks; ``size == 1`` means no communication at all."""
+
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    def shard(self, n: int, what: str) -> tuple[int, int]:
+        """The ``[start, stop)`` of ``n`` items (heads, channels) owned by this rank."""
+        if n % self.size:
+            from mtp_train.errors import UserError
+
+            raise UserError(f"target.tp: {self.size} does not divide the model's {n} {what}")
+        per = n // self.size
+        return self.rank * per, (self.rank + 1) * per
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x)
+        return x
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Make every rank hold the leader's ``x`` (sampled tokens must agree across ranks)."""
+        if self.size > 1:
+            dist.broadcast(x, src=0)
+        return x
+
+
+def init_tensor_parallel(size: int, device: torch.device) -> TensorParallel:
+    """Join the process group that ``torchrun`` set up (gloo on CPU, NCCL on CUDA), or run alone."""
+    if size == 1:
+        return TensorParallel()
+    if not dist.is_initialized():
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world != size:
+            from mtp_train.errors import UserError
+
+            raise UserError(f"target.tp: {size} needs {size} processes (torchrun --nproc_per_node {size}); got {world}")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return TensorParallel(rank=dist.get_rank(), size=dist.get_world_size())

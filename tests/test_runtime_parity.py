@@ -1,0 +1,123 @@
+"""Exact parity of the runtime with transformers, for every family, in prefill and in paged decode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import TINY_TARGET
+from hf_models import FAMILY_OPTIONS, save_random_model
+from mtp_train.runtime.engine import Engine
+from mtp_train.runtime.sequence import Sequence
+from mtp_train.runtime.sampling import SamplingParams
+
+pytestmark = pytest.mark.parity
+FAMILIES = sorted(FAMILY_OPTIONS)
+TOL = 1e-4
+
+
+def random_sequences(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf_logits(model, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].float()
+
+
+def new_sequence() -> Sequence:
+    return Sequence(0, [], SamplingParams(), frozenset(), 0)
+
+
+def prefill_logits(engine: Engine, seqs: list[list[int]]) -> list[torch.Tensor]:
+    """All sequences in one packed prefill; logits ``[len, vocab]`` per sequence."""
+    handles = [new_sequence() for _ in seqs]
+    meta, hidden, _ = engine.extend(list(zip(handles, seqs)))
+    logits = engine.model.logits(hidden)
+    for h in handles:
+        engine.release(h)
+    cu = meta.qo_indptr.tolist()
+    return [logits[cu[i] : cu[i + 1]] for i in range(len(seqs))]
+
+
+def decode_logits(engine: Engine, tokens: list[int], prefill: int, step: int = 1) -> torch.Tensor:
+    """Prefill ``tokens[:prefill]``, then feed the rest ``step`` tokens at a time through the pages.
+
+    ``step == 1`` is plain decoding; ``step == k + 1`` is the shape of a speculative verify batch.
+    """
+    seq = new_sequence()
+    _, hidden, _ = engine.extend([(seq, tokens[:prefill])])
+    rows = [engine.model.logits(hidden[-1:])]
+    for i in range(prefill, len(tokens), step):
+        _, hidden, _ = engine.extend([(seq, tokens[i : i + step])])
+        rows.append(engine.model.logits(hidden))
+    engine.release(seq)
+    return torch.cat(rows)
+
+
+def assert_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    assert ours.shape == ref.shape
+    diff = (ours - ref).abs().max().item()
+    assert diff <= TOL, f"max abs diff {diff:.3g}"
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_model(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    model = save_random_model(request.param, root)
+    return request.param, root, model
+
+
+def test_prefill_matches_transformers(family_model):
+    family, root, model = family_model
+    engine = Engine.from_pretrained(root, page_size=16)
+    seqs = random_sequences(model.config.vocab_size, [1, 9, 40])
+    for seq, ours in zip(seqs, prefill_logits(engine, seqs)):
+        assert_close(ours, hf_logits(model, seq))
+
+
+def test_paged_decode_matches_transformers(family_model):
+    family, root, model = family_model
+    engine = Engine.from_pretrained(root, page_size=4)
+    (tokens,) = random_sequences(model.config.vocab_size, [30], seed=1)
+    assert_close(decode_logits(engine, tokens, prefill=5), hf_logits(model, tokens)[4:])
+
+
+def test_verify_batches_match_transformers(family_model):
+    family, root, model = family_model
+    engine = Engine.from_pretrained(root, page_size=4)
+    (tokens,) = random_sequences(model.config.vocab_size, [29], seed=2)
+    assert_close(decode_logits(engine, tokens, prefill=5, step=4), hf_logits(model, tokens)[4:])
+
+
+def test_sliding_window_is_exercised():
+    assert FAMILY_OPTIONS["mistral"]["sliding_window"] < 30, "the decode test must run past the window"
+
+
+def test_tied_embeddings_and_sharded_index(tmp_path):
+    model = save_random_model("qwen2", tmp_path, tie_word_embeddings=True, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert not any("lm_head" in k for k in model.state_dict().keys() if k in _saved_keys(tmp_path))
+    engine = Engine.from_pretrained(tmp_path)
+    assert engine.model.output.weight.data_ptr() == engine.model.tok_embeddings.weight.data_ptr()
+    (tokens,) = random_sequences(256, [20], seed=2)
+    assert_close(prefill_logits(engine, [tokens])[0], hf_logits(model, tokens))
+
+
+def _saved_keys(root) -> set[str]:
+    import json
+
+    return set(json.loads((root / "model.safetensors.index.json").read_text())["weight_map"])
+
+
+def test_tiny_target_prefill_and_decode_match_transformers():
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(TINY_TARGET, dtype=torch.float32).eval()
+    engine = Engine.from_pretrained(TINY_TARGET, page_size=16)
+    seqs = random_sequences(model.config.vocab_size, [3, 50, 120], seed=3)
+    for seq, ours in zip(seqs, prefill_logits(engine, seqs)):
+        assert_close(ours, hf_logits(model, seq))
+    assert_close(decode_logits(engine, seqs[2], prefill=100), hf_logits(model, seqs[2])[99:])

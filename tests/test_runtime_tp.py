@@ -1,0 +1,45 @@
+"""Tensor parallelism over real processes (torchrun, gloo) gives the TP=1 results."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, TINY_TARGET
+from mtp_train.errors import UserError
+from mtp_train.runtime.engine import Engine
+from mtp_train.runtime.sampling import SamplingParams
+from mtp_train.runtime.tp import TensorParallel
+
+
+@pytest.mark.slow
+def test_tp2_over_gloo_matches_tp1(tmp_path):
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 4000, (n,), generator=g).tolist() for n in (9, 33, 20)]
+    torch.save(prompts, tmp_path / "prompts.pt")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        str(REPO / "tests" / "tp_worker.py"), str(TINY_TARGET), str(tmp_path / "prompts.pt"),
+        str(tmp_path / "out.pt"), "2",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tp2 = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert tp2["world_size"] == 2 and tp2["heads_per_rank"] == 2
+
+    engine = Engine.from_pretrained(TINY_TARGET, page_size=16)
+    tp1 = engine.score(prompts, layers=[-1], topk=16)
+    assert torch.equal(tp2["topk_ids"], tp1.topk_ids)
+    assert (tp2["topk_logprobs"] - tp1.topk_logprobs).abs().max() <= 1e-5
+    assert (tp2["logsumexp"] - tp1.logsumexp).abs().max() <= 1e-5
+    assert (tp2["hidden"] - tp1.hidden).abs().max() <= 1e-5
+    tokens = [r.tokens for r in engine.generate(prompts, SamplingParams(max_new_tokens=16, stop_token_ids=()))]
+    assert tp2["tokens"] == tokens
+
+
+def test_tp_must_divide_kv_heads():
+    with pytest.raises(UserError, match="does not divide the model's 2 KV heads"):
+        Engine.from_pretrained(TINY_TARGET, tp=TensorParallel(rank=0, size=4))

@@ -1,0 +1,118 @@
+"""Building blocks of the runtime, each alone: pages, batch metadata, sampling, acceptance, scheduling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import TINY_TARGET
+from mtp_train.models.config import ModelConfig
+from mtp_train.runtime.acceptance import accept_draft
+from mtp_train.runtime.batch import build_batch
+from mtp_train.runtime.device import resolve_dtype
+from mtp_train.runtime.kv_cache import KVPool, OutOfPages, PageAllocator, PageTable
+from mtp_train.runtime.sampling import SamplingParams, target_distribution
+
+CFG = ModelConfig("llama", 32, 16, 32, 2, 2, 1, 8, 1e-6, 128)
+
+
+def test_one_allocation_serves_target_and_draft_pools():
+    alloc = PageAllocator(num_pages=6, page_size=4)
+    target, draft = KVPool(CFG, alloc, torch.float32, torch.device("cpu")), KVPool(
+        ModelConfig("llama", 32, 8, 16, 1, 1, 1, 8, 1e-6, 128), alloc, torch.float32, torch.device("cpu")
+    )
+    table = PageTable()
+    alloc.reserve(table, 9)
+    assert len(table.pages) == 3 and alloc.num_free == 3
+    for pool in (target, draft):
+        assert all(p < pool.k.shape[1] for p in table.pages)
+
+
+def test_reserve_is_all_or_nothing_and_truncate_frees_rejected_tokens():
+    alloc = PageAllocator(num_pages=3, page_size=4)
+    a, b = PageTable(), PageTable()
+    alloc.reserve(a, 6)
+    with pytest.raises(OutOfPages):
+        alloc.reserve(b, 9)
+    assert b.pages == [] and b.num_tokens == 0 and alloc.num_free == 1
+    alloc.reserve(a, 5)  # speculative: 6 accepted + 5 draft tokens = 11 -> 3 pages
+    assert len(a.pages) == 3 and alloc.num_free == 0
+    alloc.truncate(a, 7)  # 1 of the 5 accepted
+    assert a.num_tokens == 7 and len(a.pages) == 2 and alloc.num_free == 1
+    alloc.free(a)
+    assert alloc.num_free == 3
+
+
+def test_batch_metadata_is_flat_and_indptr_style():
+    meta = build_batch([[5, 6, 7], [8]], cached_lens=[0, 5], page_tables=[[2], [0, 3]], page_size=4,
+                       device=torch.device("cpu"))
+    assert meta.qo_indptr.tolist() == [0, 3, 4] and meta.qo_indptr.dtype == torch.int32
+    assert meta.kv_lens.tolist() == [3, 6]
+    assert meta.positions.tolist() == [0, 1, 2, 5]
+    assert meta.page_indptr.tolist() == [0, 1, 3] and meta.page_indices.tolist() == [2, 0, 3]
+    assert meta.last_page_len.tolist() == [3, 2]
+    assert meta.slot_mapping.tolist() == [8, 9, 10, 13]
+    assert meta.last_token_index.tolist() == [2, 3]
+
+
+def test_top_k_and_top_p_shape_the_distribution():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    greedy = target_distribution(logits, SamplingParams())
+    assert greedy.tolist() == [[1.0, 0.0, 0.0, 0.0, 0.0]]
+    topk = target_distribution(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert (topk[0, 2:] == 0).all() and topk[0, :2].sum().item() == pytest.approx(1.0)
+    full = logits.softmax(-1)[0]
+    p = float(full[0] + full[1]) - 1e-3  # just below the first two tokens' mass
+    topp = target_distribution(logits, SamplingParams(temperature=1.0, top_p=p))
+    assert (topp[0, :2] > 0).all() and (topp[0, 2:] == 0).all()
+    hot = target_distribution(logits, SamplingParams(temperature=0.5))
+    assert hot[0, 0] > full[0]
+
+
+def test_greedy_acceptance_counts_a_hand_computed_example():
+    vocab = 6
+    target_argmax = [2, 4, 1, 5]  # target's choice at draft positions 1..3 and after them
+    target = torch.nn.functional.one_hot(torch.tensor(target_argmax), vocab).float()
+    draft_tokens = torch.tensor([2, 4, 3])  # third disagrees
+    draft = torch.nn.functional.one_hot(draft_tokens, vocab).float()
+    assert accept_draft(draft_tokens, draft, target) == (2, 1)  # keep 2, then the target's token 1
+    all_good = torch.tensor([2, 4, 1])
+    assert accept_draft(all_good, torch.nn.functional.one_hot(all_good, vocab).float(), target) == (3, 5)
+    assert accept_draft(torch.tensor([0, 4, 1]), draft, target)[0] == 0
+
+
+@pytest.mark.parametrize("quality", ["bad", "good"])
+def test_speculative_sampling_reproduces_the_target_distribution(quality):
+    """Chi-square over 4 tokens: the first emitted token is distributed as the target's p."""
+    p = torch.tensor([0.5, 0.25, 0.15, 0.10])
+    q = torch.tensor([0.05, 0.05, 0.2, 0.7]) if quality == "bad" else torch.tensor([0.45, 0.3, 0.15, 0.10])
+    g = torch.Generator().manual_seed(0)
+    n, counts = 20000, torch.zeros(4)
+    for _ in range(n):
+        x = torch.multinomial(q, 1, generator=g)
+        accepted, nxt = accept_draft(x, q[None], torch.stack([p, p]), g)
+        counts[int(x) if accepted else nxt] += 1
+    expected = p * n
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 16.27, f"chi2={chi2:.1f} (p < 0.001 at 3 dof)"
+
+
+def test_recipe_dtype_resolution():
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+
+
+def test_finished_sequences_free_slots_for_waiting_ones():
+    from mtp_train.runtime.engine import Engine
+
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 4000, (n,), generator=g).tolist() for n in (5, 9, 14, 3, 11)]
+    params = [SamplingParams(max_new_tokens=m, stop_token_ids=()) for m in (3, 9, 5, 12, 2)]
+    wide = Engine.from_pretrained(TINY_TARGET)
+    narrow = Engine.from_pretrained(TINY_TARGET, max_seqs=2, max_batch_tokens=16)
+    ref = [r.tokens for r in wide.generate(prompts, params)]
+    out = narrow.generate(prompts, params)
+    assert [r.tokens for r in out] == ref
+    assert [len(r.tokens) for r in out] == [3, 9, 5, 12, 2]
+    assert narrow.allocator.num_free == narrow.allocator.num_pages
