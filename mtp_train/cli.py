@@ -17,7 +17,8 @@ RECIPE_STAGES = ("precompute", "train", "eval", "report", "export")
 USAGE = """\
 mtp-train RECIPE.yaml [KEY.PATH=VALUE ...] [--dry-run]     run every stage in order
 mtp-train {precompute,train,eval,report,export} RECIPE.yaml [KEY.PATH=VALUE ...] [--dry-run]
-mtp-train verify FEATURES_DIR                               check every shard's checksum"""
+mtp-train verify FEATURES_DIR                               check every shard's checksum
+mtp-train precompute RECIPE.yaml [--overwrite] [--rank R --world-size W]"""
 
 DESCRIPTION = """\
 Train speculative-decoding draft heads (DeepSeek-V3 MTP with RMSNorms restored, EAGLE)
@@ -31,7 +32,7 @@ stages:
   export      write the head in DeepSeek-V3 MTP naming
   verify      check a features directory against its manifest
 
-exit status: 0 done, 2 bad input (one line on stderr), 3 stage not built yet."""
+exit status: 0 done, 1 verify found a problem, 2 bad input (one line on stderr), 3 stage not built yet."""
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -53,9 +54,16 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mtp-train", usage=USAGE, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", parser_class=OneLineParser, metavar="")
-    _add_recipe_args(sub.add_parser("run", help=argparse.SUPPRESS))
+    run = sub.add_parser("run", help=argparse.SUPPRESS)
+    _add_recipe_args(run)
+    run.add_argument("--overwrite", action="store_true", help="replace outputs made from a different recipe")
     for name in RECIPE_STAGES:
-        _add_recipe_args(sub.add_parser(name, help=argparse.SUPPRESS))
+        p = sub.add_parser(name, help=argparse.SUPPRESS)
+        _add_recipe_args(p)
+        if name == "precompute":
+            p.add_argument("--overwrite", action="store_true", help="replace features made from a different recipe")
+            p.add_argument("--rank", type=int, help="this worker's rank (default: from SLURM array or torchrun)")
+            p.add_argument("--world-size", type=int, help="number of workers sharing the rows")
     verify = sub.add_parser("verify", help=argparse.SUPPRESS)
     verify.add_argument("features_dir", type=Path, metavar="FEATURES_DIR")
     return parser
@@ -67,8 +75,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     from mtp_train.recipe import load_recipe, recipe_to_yaml
 
     if args.command == "verify":
-        print(f"mtp-train: 'verify' is not built yet; {args.features_dir} was not checked", file=sys.stderr)
-        return EXIT_NOT_BUILT
+        return _verify(args.features_dir)
 
     recipe = load_recipe(args.recipe, args.overrides)
     check_inputs(recipe)
@@ -80,15 +87,35 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
     try:
         for stage in stages:
-            run_stage(stage, recipe)
+            options = {}
+            if stage.name == "precompute":
+                options["overwrite"] = args.overwrite
+                if args.command == "precompute":
+                    options.update(rank=args.rank, world=args.world_size)
+            run_stage(stage, recipe, **options)
     except StageNotBuilt as e:
         if args.command != "run":
             print(f"mtp-train: {e}", file=sys.stderr)
             return EXIT_NOT_BUILT
         # The full run does everything that exists, then says plainly where it stopped.
         print(plan_text(recipe))
-        print(f"mtp-train: recipe and target checked; stopped because {e}.")
+        print(f"mtp-train: stopped: {e}. The stages before it are done.")
     return 0
+
+
+def _verify(root: Path) -> int:
+    from precompute.verify import verify
+
+    problems, manifest = verify(root)
+    for problem in problems:
+        print(f"mtp-train: verify: {problem}", file=sys.stderr)
+    totals = manifest.totals()
+    print(
+        f"verify: {root}: {len(manifest.shards)} shards, {totals['sequences']:,} sequences, {totals['tokens']:,} "
+        f"tokens, {totals['bytes_per_token']} bytes/token, ranks {sorted(manifest.ranks)} of {manifest.world_size}: "
+        + ("OK" if not problems else f"{len(problems)} problem(s)")
+    )
+    return 1 if problems else 0
 
 
 def main(argv: list[str] | None = None) -> int:

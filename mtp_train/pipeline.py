@@ -17,7 +17,7 @@ class Stage:
 
     name: str
     describe: Callable[[Recipe], str]
-    run: Callable[[Recipe], None] | None  # None: not built yet
+    run: Callable[..., object] | None  # run(recipe, **options); None: not built yet
 
     @property
     def built(self) -> bool:
@@ -31,12 +31,18 @@ def _rel(path: Path) -> str:
         return str(path)
 
 
+def _precompute(recipe: Recipe, **options) -> None:
+    from precompute.run import run_precompute
+
+    run_precompute(recipe, **options)
+
+
 STAGES: tuple[Stage, ...] = (
     Stage(
         "precompute",
         lambda r: f"target {_rel(r.target.path)} over {len(r.data.train)} data file(s) "
         f"-> features {_rel(r.features_dir)} (layers {r.precompute.layers}, top-{r.precompute.topk})",
-        None,
+        _precompute,
     ),
     Stage(
         "train",
@@ -71,7 +77,7 @@ def plan_text(recipe: Recipe, stages: tuple[Stage, ...] = STAGES) -> str:
     return "\n".join(lines)
 
 
-def run_stage(stage: Stage, recipe: Recipe) -> None:
+def run_stage(stage: Stage, recipe: Recipe, **options) -> None:
     if stage.run is None:
         raise StageNotBuilt(f"stage '{stage.name}' is not built yet; nothing was run or written")
-    stage.run(recipe)
+    stage.run(recipe, **options)

@@ -1,0 +1,133 @@
+"""Read the recipe's data files through ``datasets`` and turn rows into token ids with a loss mask."""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mtp_train.errors import UserError
+from precompute.formats import BadRow, Messages, detect_format, to_messages
+
+GENERATION_MARKER = re.compile(r"{%-?\s*generation\s*-?%}")
+
+
+@dataclass
+class Row:
+    """One dataset row: a global id (position across all data files in order) and its content."""
+
+    row_id: int
+    content: Messages | str
+
+
+@dataclass
+class LoadedData:
+    rows: list[Row]
+    file_rows: dict[str, int] = field(default_factory=dict)  # file -> rows it holds
+    formats: dict[str, str] = field(default_factory=dict)  # file -> detected/declared format
+    bad_rows: list[tuple[str, int, str]] = field(default_factory=list)  # (file, index in file, why)
+
+
+def _load_file(path: Path):
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        if path.is_dir():
+            ds = datasets.load_from_disk(str(path))
+            if isinstance(ds, datasets.DatasetDict):
+                if "train" not in ds:
+                    raise UserError(f"{path}: saved DatasetDict has no 'train' split (has {sorted(ds)})")
+                ds = ds["train"]
+            return ds
+        name = path.name.lower()
+        if name.endswith((".jsonl", ".json", ".jsonl.gz", ".json.gz")):
+            return datasets.load_dataset("json", data_files=str(path), split="train")
+        if name.endswith(".parquet"):
+            return datasets.load_dataset("parquet", data_files=str(path), split="train")
+    except UserError:
+        raise
+    except Exception as e:  # datasets raises many types for malformed input
+        raise UserError(f"{path}: cannot be read as a dataset: {str(e).splitlines()[0][:200]}") from None
+    raise UserError(f"{path}: unsupported data file; use JSONL, JSON, Parquet or a saved HF dataset directory")
+
+
+def load_rows(files: list[Path], fmt: str, skip_bad_rows: bool, max_rows: int | None) -> LoadedData:
+    """All rows of ``files`` in order, as messages or text; bad rows are an error unless skipped."""
+    out = LoadedData(rows=[])
+    next_id = 0
+    for path in files:
+        if not path.exists():
+            raise UserError(f"data.train: {path} not found")
+        ds = _load_file(path)
+        file_fmt = fmt if fmt != "auto" else detect_format(list(ds.column_names))
+        if file_fmt is None:
+            raise UserError(
+                f"{path}: cannot detect the row format from columns {ds.column_names}; "
+                "set data.format (sharegpt, openai, prompt_completion or text)"
+            )
+        out.formats[str(path)] = file_fmt
+        out.file_rows[str(path)] = len(ds)
+        for i, raw in enumerate(ds):
+            row_id = next_id + i
+            if max_rows is not None and row_id >= max_rows:
+                break
+            try:
+                out.rows.append(Row(row_id, to_messages(raw, file_fmt)))
+            except BadRow as e:
+                if not skip_bad_rows:
+                    raise UserError(
+                        f"{path}: row {i} does not fit format {file_fmt!r} ({e}); fix it or set data.skip_bad_rows: true"
+                    ) from None
+                out.bad_rows.append((str(path), i, str(e)))
+        next_id += len(ds)
+        if max_rows is not None and next_id >= max_rows:
+            break
+    return out
+
+
+def heldout_ids(num_rows: int, count: int, seed: int) -> set[int]:
+    """The seeded draw of rows that training never sees (the eval's held-out prompts)."""
+    return set(random.Random(seed).sample(range(num_rows), min(count, num_rows)))
+
+
+def rank_slice(row_ids: list[int], rank: int, world: int) -> list[int]:
+    """Rank ``rank`` of ``world`` owns a contiguous block of the rows, in order."""
+    n = len(row_ids)
+    return row_ids[rank * n // world : (rank + 1) * n // world]
+
+
+def check_template(tokenizer: Any, source: str) -> None:
+    template = tokenizer.chat_template
+    if not isinstance(template, str) or not GENERATION_MARKER.search(template):
+        raise UserError(
+            f"{source}: the chat template has no {{% generation %}} markers, so assistant tokens cannot be "
+            "masked; use a template that marks assistant turns"
+        )
+
+
+def encode(tokenizer: Any, content: Messages | str, max_length: int) -> tuple[list[int], list[int], bool]:
+    """Token ids, loss mask (1 on assistant tokens; every token but the first for text) and whether it was cut."""
+    return encode_many(tokenizer, [content], max_length)[0]
+
+
+def encode_many(
+    tokenizer: Any, contents: list[Messages | str], max_length: int, chunk: int = 256
+) -> list[tuple[list[int], list[int], bool]]:
+    """``encode`` for many rows, with the chat template applied a chunk of conversations at a time."""
+    out: list[tuple[list[int], list[int], bool] | None] = [None] * len(contents)
+    chats = [i for i, c in enumerate(contents) if not isinstance(c, str)]
+    for start in range(0, len(chats), chunk):
+        idx = chats[start : start + chunk]
+        enc = tokenizer.apply_chat_template(
+            [contents[i] for i in idx], tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        for i, ids, mask in zip(idx, enc["input_ids"], enc["assistant_masks"]):
+            out[i] = (list(ids), list(mask))
+    for i, c in enumerate(contents):
+        if isinstance(c, str):
+            ids = tokenizer(c, add_special_tokens=True)["input_ids"]
+            out[i] = (ids, [0] + [1] * (len(ids) - 1))
+    return [(ids[:max_length], mask[:max_length], len(ids) > max_length) for ids, mask in out]

@@ -1,0 +1,140 @@
+"""The features manifest and the fingerprints that tie features to their target, tokenizer and data.
+
+Each worker keeps ``manifest.rank-RRRRR.json`` for its own shards; when every rank is complete,
+``manifest.json`` holds their union. All manifests are written atomically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from mtp_train.hf_checkpoint import find_checkpoint
+
+FORMAT_VERSION = 1
+MERGED = "manifest.json"
+
+
+def rank_manifest_name(rank: int) -> str:
+    return f"manifest.rank-{rank:05d}.json"
+
+
+def shard_name(rank: int, index: int) -> str:
+    return f"shard-{rank:05d}-{index:05d}.safetensors"
+
+
+class ShardEntry(BaseModel):
+    file: str
+    num_seqs: int
+    num_tokens: int
+    row_ids: list[int]
+    sha256: str
+    bytes: int
+
+
+class Manifest(BaseModel):
+    """What a features directory (or one rank's part of it) holds.
+
+    ``hidden`` is ``[T, len(layers), hidden_size]`` in ``hidden_dtype``; the last layer is stored
+    before the final norm (``last_layer_pre_norm``). ``topk`` is K of ``topk_logprobs``/``topk_ids``.
+    """
+
+    format_version: int = FORMAT_VERSION
+    ranks: list[int]
+    world_size: int
+    complete: bool = False
+    fingerprint: dict[str, str]
+    settings: dict[str, Any]
+    layers: list[int]
+    last_layer_pre_norm: bool = True
+    hidden_size: int
+    hidden_dtype: str = "bfloat16"
+    topk: int
+    regenerated: bool = False
+    sampling: dict[str, Any] | None = None
+    row_ids: list[int]  # every row these ranks own (bad rows excluded)
+    heldout_row_ids: list[int]
+    skipped_rows: list[dict[str, Any]] = []
+    truncated_rows: int = 0
+    shards: list[ShardEntry] = []
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.shards)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.bytes for s in self.shards)
+
+    def totals(self) -> dict[str, float]:
+        tokens = self.total_tokens
+        return {
+            "sequences": sum(s.num_seqs for s in self.shards),
+            "tokens": tokens,
+            "bytes": self.total_bytes,
+            "bytes_per_token": round(self.total_bytes / tokens, 1) if tokens else 0.0,
+        }
+
+
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_manifest(path: Path, manifest: Manifest) -> None:
+    data = manifest.model_dump()
+    data["totals"] = manifest.totals()
+    write_json_atomic(path, data)
+
+
+def load_manifest(path: Path) -> Manifest:
+    data = json.loads(path.read_text(encoding="utf-8"))
+    data.pop("totals", None)
+    return Manifest.model_validate(data)
+
+
+def _sha256_files(paths: list[Path]) -> str:
+    h = hashlib.sha256()
+    for path in paths:
+        h.update(path.name.encode())
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def target_fingerprint(root: Path) -> str:
+    """sha256 of config.json plus each weight file's name, size and safetensors header (not the tensors)."""
+    ckpt = find_checkpoint(root)
+    h = hashlib.sha256((root / "config.json").read_bytes())
+    for path in ckpt.weight_files:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            h.update(path.name.encode() + str(path.stat().st_size).encode() + f.read(n))
+    return h.hexdigest()
+
+
+def tokenizer_fingerprint(root: Path) -> str:
+    files = [root / n for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model") if (root / n).is_file()]
+    return _sha256_files(files)
+
+
+def data_fingerprint(files: list[Path]) -> str:
+    paths: list[Path] = []
+    for f in files:
+        paths += sorted(p for p in f.rglob("*") if p.is_file()) if f.is_dir() else [f]
+    return _sha256_files(paths)
+
+
+def text_fingerprint(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()

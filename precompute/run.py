@@ -1,0 +1,285 @@
+"""Stage 1: dataset -> chat-templated tokens with loss masks -> runtime features in shards, resumably.
+
+Each worker (rank r of W) owns a contiguous block of the rows. Its rows are cut, in order, into
+shards of about ``precompute.shard_tokens`` tokens; each shard is one ``Engine.score()`` call and
+one safetensors file. A rerun recomputes the same plan, checks that the shards already recorded
+in its manifest match it, and continues with the first missing shard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mtp_train.errors import UserError
+from mtp_train.recipe import Recipe
+from precompute.dataset import Row, check_template, encode_many, heldout_ids, load_rows, rank_slice
+from precompute.manifest import (
+    MERGED,
+    Manifest,
+    ShardEntry,
+    data_fingerprint,
+    load_manifest,
+    rank_manifest_name,
+    save_manifest,
+    shard_name,
+    target_fingerprint,
+    text_fingerprint,
+    tokenizer_fingerprint,
+)
+from precompute.writer import ShardWriter, crash_point
+
+
+@dataclass(frozen=True)
+class Worker:
+    rank: int
+    world: int
+
+
+def resolve_worker(rank: int | None, world: int | None, tp: int) -> Worker:
+    """Flags win; then a SLURM array; then torchrun's RANK/WORLD_SIZE (only without TP, whose ranks share rows)."""
+    env = os.environ
+    if rank is not None or world is not None:
+        w = Worker(rank or 0, world or 1)
+    elif "SLURM_ARRAY_TASK_COUNT" in env:
+        first = int(env.get("SLURM_ARRAY_TASK_MIN", "0"))
+        w = Worker(int(env["SLURM_ARRAY_TASK_ID"]) - first, int(env["SLURM_ARRAY_TASK_COUNT"]))
+    elif tp == 1 and "WORLD_SIZE" in env:
+        w = Worker(int(env.get("RANK", "0")), int(env["WORLD_SIZE"]))
+    else:
+        w = Worker(0, 1)
+    if not 0 <= w.rank < w.world:
+        raise UserError(f"--rank {w.rank} is outside --world-size {w.world}")
+    return w
+
+
+def recipe_settings(recipe: Recipe, world: int) -> dict:
+    """Everything that changes the features' content or layout; a rerun must match it exactly."""
+    d, p = recipe.data, recipe.precompute
+    return {
+        "format": d.format, "max_length": d.max_length, "max_rows": d.max_rows, "skip_bad_rows": d.skip_bad_rows,
+        "heldout_rows": d.heldout_rows, "regenerate": d.regenerate,
+        "sampling": d.sampling.model_dump() if d.regenerate else None,
+        "seed": recipe.seed, "layers": p.layers, "topk": p.topk, "shard_tokens": p.shard_tokens, "world_size": world,
+    }
+
+
+def plan_shards(lengths: list[int], shard_tokens: int) -> list[list[int]]:
+    """Cut row indices, in order, into groups of about ``shard_tokens`` tokens (at least one row each)."""
+    shards, current, total = [], [], 0
+    for i, n in enumerate(lengths):
+        if current and total + n > shard_tokens:
+            shards.append(current)
+            current, total = [], 0
+        current.append(i)
+        total += n
+    if current:
+        shards.append(current)
+    return shards
+
+
+def _mismatch(old: Manifest, fingerprint: dict[str, str], settings: dict) -> str | None:
+    for key, value in fingerprint.items():
+        if old.fingerprint.get(key) != value:
+            if key == "settings":
+                fields = sorted(k for k in settings if old.settings.get(k) != settings.get(k))
+                return "recipe field(s) " + ", ".join(fields)
+            return {"target": "target weights or config", "data": "dataset files"}.get(key, key)
+    return None
+
+
+def prepare_directory(out: Path, rank: int, fingerprint: dict[str, str], settings: dict, overwrite: bool
+                      ) -> Manifest | None:
+    """Clean this rank's leftovers and return its manifest to resume from, if any."""
+    out.mkdir(parents=True, exist_ok=True)
+    prefix = f"shard-{rank:05d}-"
+    for tmp in out.glob(f".{prefix}*.tmp"):
+        tmp.unlink()
+    path = out / rank_manifest_name(rank)
+    old = load_manifest(path) if path.is_file() else None
+    if old is not None:
+        why = _mismatch(old, fingerprint, settings)
+        if why and not overwrite:
+            raise UserError(f"{path}: existing features were made with different {why}; rerun with --overwrite")
+        if why:
+            old = None
+    keep = {s.file for s in old.shards} if old else set()
+    for shard in out.glob(f"{prefix}*.safetensors"):
+        if shard.name not in keep:  # written, but the manifest never recorded it
+            shard.unlink()
+    if old is None and path.is_file():
+        path.unlink()
+    return old
+
+
+def merge_manifests(out: Path, world: int) -> Manifest | None:
+    """Write ``manifest.json`` as the union of every rank's manifest, once all of them are complete."""
+    parts = []
+    for r in range(world):
+        path = out / rank_manifest_name(r)
+        if not path.is_file():
+            return None
+        part = load_manifest(path)
+        if not part.complete:
+            return None
+        parts.append(part)
+    merged = parts[0].model_copy(deep=True)
+    for part in parts[1:]:
+        if part.fingerprint != merged.fingerprint:
+            raise UserError(f"{out / rank_manifest_name(part.ranks[0])}: fingerprint differs from rank 0's")
+        merged.ranks += part.ranks
+        merged.row_ids += part.row_ids
+        merged.skipped_rows += part.skipped_rows
+        merged.truncated_rows += part.truncated_rows
+        merged.shards += part.shards
+    save_manifest(out / MERGED, merged)
+    return merged
+
+
+def _shard_tensors(scored, rows: list[tuple[list[int], list[int]]], topk: int) -> dict[str, torch.Tensor]:
+    tensors = {
+        "input_ids": torch.tensor([t for ids, _ in rows for t in ids], dtype=torch.int32),
+        "loss_mask": torch.tensor([m for _, mask in rows for m in mask], dtype=torch.uint8),
+        "cu_seqlens": scored.cu_seqlens.to(torch.int64),
+        "hidden": scored.hidden.to(torch.bfloat16).cpu().contiguous(),
+        "logsumexp": scored.logsumexp.float().cpu().contiguous(),
+    }
+    if topk:
+        tensors["topk_logprobs"] = scored.topk_logprobs.to(torch.bfloat16).cpu().contiguous()
+        tensors["topk_ids"] = scored.topk_ids.to(torch.int32).cpu().contiguous()
+    return tensors
+
+
+def run_precompute(
+    recipe: Recipe, rank: int | None = None, world: int | None = None, overwrite: bool = False
+) -> Manifest:
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    from mtp_train.runtime.device import default_device, resolve_dtype
+    from mtp_train.runtime.engine import Engine
+    from mtp_train.runtime.tp import init_tensor_parallel
+
+    start = time.perf_counter()
+    worker = resolve_worker(rank, world, recipe.target.tp)
+    out, target = recipe.features_dir, recipe.target.path
+    tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=recipe.target.trust_remote_code)
+    settings = recipe_settings(recipe, worker.world)
+    for path in recipe.data.train:
+        if not path.exists():
+            raise UserError(f"data.train: {path} not found")
+    fingerprint = {
+        "target": target_fingerprint(target),
+        "tokenizer": tokenizer_fingerprint(target),
+        "chat_template": text_fingerprint(str(tokenizer.chat_template)),
+        "data": data_fingerprint(recipe.data.train),
+        "settings": text_fingerprint(json.dumps(settings, sort_keys=True)),
+    }
+    if not overwrite and (out / MERGED).is_file():
+        merged = load_manifest(out / MERGED)
+        if merged.complete and merged.fingerprint == fingerprint:
+            print(f"precompute: {out / MERGED} is complete and matches the recipe; skipped", file=sys.stderr)
+            return merged
+    device = default_device()
+    tp = init_tensor_parallel(recipe.target.tp, device)
+    # Under TP every rank runs the same forwards, but only the leader touches the directory.
+    old = prepare_directory(out, worker.rank, fingerprint, settings, overwrite) if tp.is_leader else None
+    if tp.size > 1:
+        torch.distributed.barrier()
+        manifest_file = out / rank_manifest_name(worker.rank)
+        if not tp.is_leader and manifest_file.is_file():
+            old = load_manifest(manifest_file)
+    data = load_rows(recipe.data.train, recipe.data.format, recipe.data.skip_bad_rows, recipe.data.max_rows)
+    if not data.rows:
+        raise UserError("data.train: no usable rows")
+    if any(not isinstance(r.content, str) for r in data.rows):
+        check_template(tokenizer, str(target))
+    all_ids = [r.row_id for r in data.rows]
+    mine = rank_slice(all_ids, worker.rank, worker.world)
+
+    engine = Engine.from_pretrained(
+        target, dtype=resolve_dtype(recipe.target.dtype, device), device=device, tp=tp,
+        backend=recipe.target.attention_backend, max_batch_tokens=recipe.precompute.batch_tokens,
+    )
+    by_id = {r.row_id: r for r in data.rows}
+    rows: list[Row] = [by_id[i] for i in mine]
+    if recipe.data.regenerate:
+        from precompute.regenerate import regenerate
+
+        rows = regenerate(rows, tokenizer, engine, recipe.data.sampling)
+    encoded = encode_many(tokenizer, [r.content for r in rows], recipe.data.max_length)
+    masked = sum(sum(m) for _, m, _ in encoded)
+    total = sum(len(ids) for ids, _, _ in encoded)
+    if masked == 0:
+        raise UserError(f"{target}: the chat template gave an empty loss mask for every row; nothing to train on")
+
+    manifest = old or Manifest(
+        ranks=[worker.rank], world_size=worker.world, fingerprint=fingerprint, settings=settings,
+        layers=[lid % engine.cfg.num_layers for lid in recipe.precompute.layers], hidden_size=engine.cfg.hidden_size,
+        topk=recipe.precompute.topk, regenerated=recipe.data.regenerate,
+        sampling=recipe.data.sampling.model_dump() if recipe.data.regenerate else None,
+        row_ids=mine, heldout_row_ids=sorted(heldout_ids_from(all_ids, recipe)),
+        skipped_rows=[{"file": f, "index": i, "why": w} for f, i, w in data.bad_rows],
+        truncated_rows=sum(t for _, _, t in encoded),
+    )
+    plan = plan_shards([len(ids) for ids, _, _ in encoded], recipe.precompute.shard_tokens)
+    done = len(manifest.shards)
+    for s, entry in enumerate(manifest.shards):
+        if s >= len(plan) or entry.row_ids != [rows[i].row_id for i in plan[s]]:
+            raise UserError(f"{out / entry.file}: holds rows that no longer match the plan; rerun with --overwrite")
+    if tp.is_leader and done < len(plan) and (out / MERGED).is_file():
+        (out / MERGED).unlink()  # stale until every rank is complete again
+    manifest_path = out / rank_manifest_name(worker.rank)
+
+    def record(index: int, path: Path, sha: str, size: int) -> None:
+        ids = [rows[i].row_id for i in plan[index]]
+        tokens = sum(len(encoded[i][0]) for i in plan[index])
+        manifest.shards.append(ShardEntry(file=path.name, num_seqs=len(ids), num_tokens=tokens, row_ids=ids,
+                                          sha256=sha, bytes=size))
+        save_manifest(manifest_path, manifest)
+
+    print(f"precompute: rank {worker.rank}/{worker.world}, {len(rows)} rows, {total:,} tokens "
+          f"({masked / total:.1%} masked in, {manifest.truncated_rows} truncated to {recipe.data.max_length}), "
+          f"{len(plan)} shards, {done} already done", file=sys.stderr)
+    writer = ShardWriter(record) if tp.is_leader else None
+    bar = tqdm(total=len(rows), initial=sum(len(p) for p in plan[:done]), unit="row",
+               disable=None if tp.is_leader else True, file=sys.stderr)
+    new_tokens, t0 = 0, time.perf_counter()
+    try:
+        for index in range(done, len(plan)):
+            crash_point("forward", index)
+            seqs = [(encoded[i][0], encoded[i][1]) for i in plan[index]]
+            scored = engine.score([ids for ids, _ in seqs], layers=recipe.precompute.layers, topk=recipe.precompute.topk)
+            if writer is not None:
+                meta = {"format_version": "1", "rank": str(worker.rank),
+                        "row_ids": json.dumps([rows[i].row_id for i in plan[index]])}
+                writer.submit(index, out / shard_name(worker.rank, index), _shard_tensors(scored, seqs, manifest.topk),
+                              meta)
+            new_tokens += sum(len(ids) for ids, _ in seqs)
+            bar.update(len(seqs))
+            bar.set_postfix_str(f"{new_tokens / (time.perf_counter() - t0):,.0f} tok/s")
+    finally:
+        bar.close()
+        if writer is not None:
+            writer.close()
+    if not tp.is_leader:
+        return manifest
+    manifest.complete = True
+    save_manifest(manifest_path, manifest)
+    merged = merge_manifests(out, worker.world)
+    totals = manifest.totals()
+    print(f"precompute: rank {worker.rank} wrote {totals['tokens']:,} tokens in {len(manifest.shards)} shards, "
+          f"{totals['bytes_per_token']} bytes/token, {time.perf_counter() - start:.0f}s"
+          + (f"; {out / MERGED} covers all {worker.world} rank(s)" if merged else "; waiting for other ranks"))
+    return manifest
+
+
+def heldout_ids_from(all_ids: list[int], recipe: Recipe) -> set[int]:
+    picks = heldout_ids(len(all_ids), recipe.data.heldout_rows, recipe.seed)
+    return {all_ids[i] for i in picks}

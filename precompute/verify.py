@@ -1,0 +1,99 @@
+"""``mtp-train verify FEATURES_DIR``: check every shard against the manifest, and the rows' coverage."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from safetensors import safe_open
+
+from mtp_train.errors import UserError
+from precompute.manifest import MERGED, Manifest, load_manifest, rank_manifest_name
+
+
+def load_features_manifest(root: Path) -> Manifest:
+    """``manifest.json``, or a union of the rank manifests when the merge has not happened."""
+    if not root.is_dir():
+        raise UserError(f"{root}: features directory not found")
+    if (root / MERGED).is_file():
+        return load_manifest(root / MERGED)
+    parts = sorted(root.glob("manifest.rank-*.json"))
+    if not parts:
+        raise UserError(f"{root}: no manifest.json or manifest.rank-*.json; run precompute first")
+    merged = load_manifest(parts[0])
+    for path in parts[1:]:
+        part = load_manifest(path)
+        merged.ranks += part.ranks
+        merged.row_ids += part.row_ids
+        merged.shards += part.shards
+        merged.complete = merged.complete and part.complete
+    return merged
+
+
+def _expected(manifest: Manifest, t: int, s: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    shapes = {
+        "input_ids": ((t,), "I32"),
+        "loss_mask": ((t,), "U8"),
+        "cu_seqlens": ((s + 1,), "I64"),
+        "hidden": ((t, len(manifest.layers), manifest.hidden_size), "BF16"),
+        "logsumexp": ((t,), "F32"),
+    }
+    if manifest.topk:
+        shapes["topk_logprobs"] = ((t, manifest.topk), "BF16")
+        shapes["topk_ids"] = ((t, manifest.topk), "I32")
+    return shapes
+
+
+def check_shard(root: Path, manifest: Manifest, entry) -> str | None:
+    """The first problem with one shard, or None."""
+    path = root / entry.file
+    if not path.is_file():
+        return f"{path}: missing"
+    if path.stat().st_size != entry.bytes:
+        return f"{path}: {path.stat().st_size} bytes, manifest says {entry.bytes} (truncated or replaced)"
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    if h.hexdigest() != entry.sha256:
+        return f"{path}: sha256 mismatch (corrupted)"
+    try:
+        with safe_open(path, framework="pt") as f:
+            if json.loads(f.metadata().get("row_ids", "null")) != entry.row_ids:
+                return f"{path}: header row ids differ from the manifest's"
+            for name, (shape, dtype) in _expected(manifest, entry.num_tokens, entry.num_seqs).items():
+                if name not in f.keys():
+                    return f"{path}: tensor {name!r} missing"
+                sl = f.get_slice(name)
+                if tuple(sl.get_shape()) != shape or sl.get_dtype() != dtype:
+                    return f"{path}: tensor {name!r} is {sl.get_dtype()} {sl.get_shape()}, expected {dtype} {list(shape)}"
+            cu = f.get_tensor("cu_seqlens")
+            if int(cu[0]) != 0 or int(cu[-1]) != entry.num_tokens or bool((cu[1:] < cu[:-1]).any()):
+                return f"{path}: cu_seqlens do not partition its {entry.num_tokens} tokens"
+    except Exception as e:  # a damaged header
+        return f"{path}: unreadable safetensors ({e})"
+    return None
+
+
+def verify(root: Path) -> tuple[list[str], Manifest]:
+    """All problems found (empty when the features are sound) and the manifest that was checked."""
+    manifest = load_features_manifest(root)
+    problems = []
+    if not manifest.complete:
+        problems.append(f"{root}: precompute is not complete (rerun it to resume)")
+    ranks = sorted(manifest.ranks)
+    if ranks != list(range(manifest.world_size)):
+        missing = sorted(set(range(manifest.world_size)) - set(ranks))
+        problems.append(f"{root}: manifest(s) of rank(s) {missing} missing, e.g. {rank_manifest_name(missing[0])}")
+    for entry in manifest.shards:
+        problem = check_shard(root, manifest, entry)
+        if problem:
+            problems.append(problem)
+    covered = [r for s in manifest.shards for r in s.row_ids]
+    if len(covered) != len(set(covered)):
+        problems.append(f"{root}: some rows are stored more than once")
+    if manifest.complete and sorted(covered) != sorted(manifest.row_ids):
+        lost = sorted(set(manifest.row_ids) - set(covered))
+        problems.append(f"{root}: {len(lost)} row(s) not covered by any shard, e.g. row {lost[:1]}")
+    return problems, manifest
