@@ -37,6 +37,12 @@ def _precompute(recipe: Recipe, **options) -> None:
     run_precompute(recipe, **options)
 
 
+def _train(recipe: Recipe, **options) -> None:
+    from mtp_train.train.trainer import run_train
+
+    run_train(recipe)
+
+
 STAGES: tuple[Stage, ...] = (
     Stage(
         "precompute",
@@ -47,8 +53,8 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         "train",
         lambda r: f"{r.head.kind} head ({r.head.num_layers} layer(s), unroll {r.train.unroll}) "
-        f"-> {_rel(r.output_dir / 'head')}",
-        None,
+        f"-> {_rel(r.output_dir / 'heads' / r.head.kind)}",
+        _train,
     ),
     Stage(
         "eval",
@@ -59,7 +65,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("report", lambda r: f"JSON, Markdown and HTML -> {_rel(r.output_dir / 'report')}", None),
 )
 # Not part of a full run: exporting is asked for explicitly.
-EXPORT = Stage("export", lambda r: f"{_rel(r.output_dir / 'head')} -> DeepSeek-V3 MTP tensor names", None)
+EXPORT = Stage("export", lambda r: f"{_rel(r.output_dir / 'heads' / r.head.kind)} -> DeepSeek-V3 MTP tensor names", None)
 STAGE_BY_NAME = {s.name: s for s in (*STAGES, EXPORT)}
 
 

@@ -142,7 +142,9 @@ class TrainConfig(Section):
     weight_decay: NonNegativeFloat = Field(0.0, description="AdamW weight decay.")
     warmup_steps: NonNegativeInt = Field(50, description="Linear warmup steps, then cosine decay.")
     epochs: PositiveFloat = Field(1.0, description="Passes over the training features.")
-    batch_tokens: PositiveInt = Field(8192, description="Tokens per optimizer step per process.")
+    batch_tokens: PositiveInt = Field(8192, description="Tokens per micro-batch per process.")
+    grad_accum: PositiveInt = Field(1, description="Micro-batches per optimizer step.")
+    mixed_precision: Literal["no", "bf16"] = Field("no", description="`bf16` autocast for the head (GPU); `no` is fp32.")
     grad_clip: PositiveFloat = Field(1.0, description="Clip the global gradient norm to this value.")
     unroll: PositiveInt = Field(1, description="Unrolled draft steps; step j feeds on the head's own step j-1 output.")
     unroll_decay: float = Field(0.8, gt=0.0, le=1.0, description="Loss weight of unrolled step j is `decay**j`.")
@@ -154,9 +156,14 @@ class TrainConfig(Section):
     )
     engine: Literal["ddp", "deepspeed"] = Field("ddp", description="accelerate DDP, or DeepSpeed ZeRO.")
     zero_stage: Literal[1, 2] = Field(1, description="DeepSpeed ZeRO stage when `engine: deepspeed`.")
-    save_every: PositiveInt = Field(200, description="Steps between resumable checkpoints.")
-    val_every: PositiveInt = Field(200, description="Steps between validation passes.")
-    wandb_project: str | None = Field(None, description="wandb project; null turns wandb off.")
+    save_every: PositiveInt = Field(200, description="Optimizer steps between resumable checkpoints.")
+    keep_checkpoints: PositiveInt = Field(2, description="Checkpoints kept; older ones are deleted.")
+    val_every: PositiveInt = Field(200, description="Optimizer steps between validation passes.")
+    max_steps: PositiveInt | None = Field(None, description="Stop after this many optimizer steps; null runs `epochs`.")
+    wandb_mode: Literal["disabled", "offline", "online"] = Field(
+        "offline", description="wandb logging; `offline` needs no network. The WANDB_MODE variable overrides it."
+    )
+    wandb_project: str = Field("mtp-train", description="wandb project name.")
 
     @model_validator(mode="after")
     def _some_loss(self) -> TrainConfig:

@@ -133,7 +133,7 @@ def test_dry_run_still_refuses_bad_input():
     assert_one_line_user_error(run_cli(TINY_RECIPE, "--dry-run", "head.num_layers=0"), "head.num_layers")
 
 
-@pytest.mark.parametrize("stage", ["train", "eval", "report", "export"])
+@pytest.mark.parametrize("stage", ["eval", "report", "export"])
 def test_stages_not_built_say_so_and_exit_nonzero(stage, tmp_path):
     proc = run_cli(stage, TINY_RECIPE, f"output_dir={tmp_path / 'out'}")
     assert proc.returncode == 3
@@ -147,11 +147,15 @@ def test_verify_of_a_missing_directory_is_a_user_error(tmp_path):
 
 @pytest.mark.slow
 def test_full_run_does_what_exists_then_states_where_it_stops(tmp_path):
-    proc = run_cli(TINY_RECIPE, f"output_dir={tmp_path / 'out'}", "data.max_rows=30", timeout=300)
+    args = (TINY_RECIPE, f"output_dir={tmp_path / 'out'}", "data.max_rows=40", "data.heldout_rows=4",
+            "train.max_steps=2", "train.wandb_mode=disabled")
+    proc = run_cli(*args, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert "stopped: stage 'train' is not built yet" in proc.stdout
+    assert "stopped: stage 'eval' is not built yet" in proc.stdout
     assert (tmp_path / "out" / "features" / "manifest.json").is_file()
-    assert not (tmp_path / "out" / "head").exists()
+    assert (tmp_path / "out" / "heads" / "mtp" / "model.safetensors").is_file()
+    again = run_cli(*args, timeout=300)
+    assert again.returncode == 0 and "skipped" in again.stderr and again.stderr.count("skipped") == 2
 
 
 def test_samples_dry_run_against_their_real_model_configs(tmp_path):

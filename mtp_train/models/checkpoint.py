@@ -122,3 +122,45 @@ def load_transformer(
     model.load_state_dict(state, strict=True, assign=True)
     model.rope = RotaryEmbedding(cfg.head_dim, cfg.rope).to(device)
     return model.eval().requires_grad_(False)
+
+
+def _part_sizes(suffix: str, cfg: ModelConfig) -> list[int]:
+    """Row counts of the HF tensors fused into runtime layer parameter ``suffix`` (TP size 1)."""
+    if suffix.startswith("attention.wqkv"):
+        return [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
+    if suffix.startswith("feed_forward.w_gate_up"):
+        return [cfg.intermediate_size, cfg.intermediate_size]
+    return [-1]
+
+
+def layer_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """One decoder layer's runtime tensors (names relative to the layer) -> HF names, unfused."""
+    out = {}
+    for suffix, tensor in state.items():
+        sources = LAYER_PARAMS[suffix]
+        parts = [tensor] if len(sources) == 1 else tensor.split(_part_sizes(suffix, cfg))
+        for (hf, _), part in zip(sources, parts):
+            out[hf] = part.contiguous()
+    return out
+
+
+def layer_from_hf(hf: dict[str, torch.Tensor], wanted: list[str], source: str) -> dict[str, torch.Tensor]:
+    """HF tensors of one decoder layer (names relative to the layer) -> the runtime tensors ``wanted``."""
+    out = {}
+    for suffix in wanted:
+        names = [name for name, _ in LAYER_PARAMS[suffix]]
+        missing = [n for n in names if n not in hf]
+        if missing:
+            raise UserError(f"{source}: tensor {missing[0]!r} is missing")
+        out[suffix] = torch.cat([hf[n] for n in names]) if len(names) > 1 else hf[names[0]]
+    return out
+
+
+def read_layer(root: Path, index: int, wanted: list[str]) -> dict[str, torch.Tensor]:
+    """Runtime tensors of the target's decoder layer ``index``, read selectively (fp32)."""
+    prefix = f"model.layers.{index}."
+    names = sorted({prefix + hf for suffix in wanted for hf, _ in LAYER_PARAMS[suffix]})
+    ckpt = find_checkpoint(root)
+    available = set(_weight_locations(ckpt))
+    hf = read_tensors(root, [n for n in names if n in available], torch.float32)
+    return layer_from_hf({k.removeprefix(prefix): v for k, v in hf.items()}, wanted, str(root))

@@ -1,0 +1,117 @@
+"""Draft heads: a small interface, a registry, and the config every head checkpoint carries.
+
+A head reads, at position i of a document, the target's hidden state h_i and the embedding of
+token t_{i+1}, and predicts t_{i+2}. It outputs a hidden state (which the next unrolled step
+consumes as its own h) and the input of the frozen lm_head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from mtp_train.errors import UserError
+from mtp_train.heads.attention import DocumentCausalAttention
+from mtp_train.models.config import ModelConfig, RopeConfig
+from mtp_train.models.rope import RotaryEmbedding
+from mtp_train.models.transformer import DecoderLayer
+from mtp_train.runtime.tp import TensorParallel
+
+HEADS: dict[str, type[DraftHead]] = {}
+
+
+@dataclass(frozen=True)
+class HeadSpec:
+    """Everything needed to rebuild a head, saved as its ``config.json``.
+
+    ``target`` holds the target's shapes, RoPE settings and maximum positions, which the head's
+    decoder layer inherits. ``hidden_input`` says which side of the target's final norm the head
+    consumes (and predicts); ``zero_embed_at_position0`` zeroes the token embedding at a document's
+    first position, as vLLM's DeepSeek MTP forward does.
+    """
+
+    kind: str
+    num_layers: int
+    target: ModelConfig
+    target_fingerprint: str
+    hidden_input: str
+    zero_embed_at_position0: bool
+
+    def to_json(self) -> dict:
+        return {"architectures": [HEADS[self.kind].__name__], "head_kind": self.kind, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_json(cls, data: dict, source: str) -> HeadSpec:
+        try:
+            target = dict(data["target"])
+            target["rope"] = RopeConfig(**target["rope"])
+            return cls(data["kind"], int(data["num_layers"]), ModelConfig(**target), data["target_fingerprint"],
+                       data["hidden_input"], bool(data["zero_embed_at_position0"]))
+        except (KeyError, TypeError) as e:
+            raise UserError(f"{source}: not a head config ({e})") from None
+
+
+class DraftHead(nn.Module):
+    """Base of every head: decoder layer(s) of the target's family over packed documents."""
+
+    kind: ClassVar[str]
+    hidden_input: ClassVar[str]  # "pre_norm" or "post_norm" side of the target's final norm
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        HEADS[cls.kind] = cls
+
+    def __init__(self, spec: HeadSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        cfg = spec.target
+        self.layers = nn.ModuleList(DecoderLayer(cfg, TensorParallel()) for _ in range(spec.num_layers))
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope)
+
+    def fuse(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """``[T, H]`` embeddings of t_{i+1} and hidden inputs h_i -> the decoder's input ``[T, H]``."""
+        raise NotImplementedError
+
+    def lm_head_input(self, out: torch.Tensor) -> torch.Tensor:
+        """The head's output hidden ``[T, H]`` -> what the frozen lm_head is applied to."""
+        raise NotImplementedError
+
+    def forward(
+        self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cu_seqlens: list[int]
+    ) -> torch.Tensor:
+        """One draft step over packed documents: ``[T, H]`` inputs -> output hidden ``[T, H]``."""
+        if self.spec.zero_embed_at_position0:
+            embeds = embeds.masked_fill((positions == 0)[:, None], 0.0)
+        x = self.fuse(embeds, hidden)
+        cos_sin = self.rope.cos_sin(positions, x.dtype)
+        plan = DocumentCausalAttention(cu_seqlens)
+        for layer in self.layers:
+            x = layer(x, cos_sin, plan, (None, None))
+        return x
+
+
+def head_spec(kind: str, num_layers: int, target: ModelConfig, fingerprint: str) -> HeadSpec:
+    if kind not in HEADS:
+        raise UserError(f"head.kind: {kind!r} is not a head; choose one of {sorted(HEADS)}")
+    cls = HEADS[kind]
+    return HeadSpec(kind, num_layers, target, fingerprint, cls.hidden_input, kind == "mtp")
+
+
+def build_head(spec: HeadSpec) -> DraftHead:
+    return HEADS[spec.kind](spec)
+
+
+def load_head_config(root: Path) -> HeadSpec:
+    path = root / "config.json"
+    if not path.is_file():
+        raise UserError(f"{path} not found; a head checkpoint needs config.json")
+    try:
+        return HeadSpec.from_json(json.loads(path.read_text()), str(path))
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}: invalid JSON ({e.msg})") from None

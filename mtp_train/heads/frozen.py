@@ -1,0 +1,59 @@
+"""The target's frozen embedding, final norm and lm_head, read selectively from its checkpoint.
+
+Only these tensors are read (through the safetensors index when the checkpoint is sharded), so
+memory does not grow with the target's depth. They are buffers, never parameters: no optimizer
+or gradient ever touches them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtp_train.hf_checkpoint import find_checkpoint
+from mtp_train.models.checkpoint import read_tensors
+from mtp_train.models.config import ModelConfig
+
+EMBED, NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
+
+
+class FrozenTarget(nn.Module):
+    def __init__(self, cfg: ModelConfig, embed: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.register_buffer("embed_weight", embed)  # [vocab, H]
+        self.register_buffer("norm_weight", norm)  # [H]
+        self.register_buffer("lm_head_weight", lm_head)  # [vocab, H]
+
+    @classmethod
+    def load(cls, root: Path, dtype: torch.dtype = torch.float32) -> FrozenTarget:
+        ckpt = find_checkpoint(root)
+        cfg = ModelConfig.from_hf(ckpt.config, str(root / "config.json"))
+        tied = cfg.tie_word_embeddings and LM_HEAD not in _names(ckpt)
+        t = read_tensors(root, [EMBED, NORM] + ([] if tied else [LM_HEAD]), dtype)
+        return cls(cfg, t[EMBED], t[NORM], t[EMBED] if tied else t[LM_HEAD])
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``[T]`` ids -> ``[T, H]``."""
+        return F.embedding(tokens, self.embed_weight)
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's final RMSNorm: pre-norm ``[T, H]`` -> post-norm ``[T, H]``."""
+        return F.rms_norm(hidden, self.norm_weight.shape, self.norm_weight, self.cfg.rms_norm_eps)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, H]`` lm_head inputs -> ``[T, vocab]`` float32 logits."""
+        return F.linear(x, self.lm_head_weight).float()
+
+
+def _names(ckpt) -> set[str]:
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for path in ckpt.weight_files:
+        with safe_open(path, framework="pt") as f:
+            names |= set(f.keys())
+    return names

@@ -1,0 +1,1 @@
+"""Stage 2: training a draft head on precomputed features."""

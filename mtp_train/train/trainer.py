@@ -1,0 +1,236 @@
+"""Stage 2: train a draft head on precomputed features with accelerate (DDP, or DeepSpeed ZeRO).
+
+Read top to bottom: load (features, frozen target parts, head) -> resume from ``latest`` ->
+for each optimizer step: micro-batches -> loss -> backward -> clip -> step -> log -> validate ->
+checkpoint -> at the end, write the HF-style head directory.
+
+Launch one process with ``mtp-train train RECIPE``; several on CPU with
+``ACCELERATE_USE_CPU=1 torchrun --nproc_per_node N -m mtp_train.cli train RECIPE`` (gloo).
+Rank r takes batches r, r+W, ... of each epoch's seeded order, so the global batch is
+``W * grad_accum * batch_tokens`` tokens, and the data position is a function of the step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mtp_train.errors import UserError
+from mtp_train.heads import build_head, head_spec
+from mtp_train.heads.frozen import FrozenTarget
+from mtp_train.models.checkpoint import read_layer
+from mtp_train.recipe import Recipe
+from mtp_train.train.checkpoint import load_checkpoint, save_checkpoint, save_head
+from mtp_train.train.data import load_batch, plan_batches
+from mtp_train.train.loss import LossWeights, head_loss, simulated_tau
+from precompute.manifest import text_fingerprint
+from precompute.reader import FeatureReader
+from precompute.writer import crash_point
+
+
+def head_dir(recipe: Recipe) -> Path:
+    return recipe.output_dir / "heads" / recipe.head.kind
+
+
+def _accelerator(recipe: Recipe):
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+
+    kwargs: dict[str, Any] = {"mixed_precision": recipe.train.mixed_precision}
+    if recipe.train.engine == "deepspeed":
+        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(zero_stage=recipe.train.zero_stage, gradient_clipping=None)
+    if not torch.cuda.is_available():
+        kwargs["cpu"] = True
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: gloo, since NCCL needs CUDA
+            kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
+    return Accelerator(**kwargs)
+
+
+def _lr_lambda(warmup: int, total: int):
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return f
+
+
+def _weights(recipe: Recipe) -> LossWeights:
+    t = recipe.train
+    return LossWeights(t.w_hidden, t.w_logits, t.unroll, t.unroll_decay, t.teacher)
+
+
+@torch.no_grad()
+def validate(head, frozen, reader: FeatureReader, recipe: Recipe) -> dict[str, Any]:
+    """Teacher-forced loss and top-1 accuracy per unrolled step on the held-out sequences."""
+    head.eval()
+    refs = reader.heldout
+    sums = [[0.0, 0, 0] for _ in range(recipe.train.unroll)]  # loss*count, correct, count
+    for i in range(0, len(refs), 16):
+        batch = load_batch(reader, refs[i : i + 16], recipe.train.batch_tokens, torch.float32)
+        _, metrics = head_loss(head, frozen, batch, _weights(recipe))
+        for s, m in zip(sums, metrics):
+            s[0] += float(m.loss) * m.count
+            s[1] += m.correct
+            s[2] += m.count
+    head.train()
+    acc = [c / n if n else 0.0 for _, c, n in sums]
+    return {
+        "val_loss": [round(l / n, 5) if n else None for l, _, n in sums],
+        "val_top1": [round(a, 5) for a in acc],
+        "val_tau": round(simulated_tau(acc), 4),
+        "val_tokens": sums[0][2],
+    }
+
+
+def _log(path: Path, record: dict[str, Any]) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def run_train(recipe: Recipe) -> Path:
+    from tqdm import tqdm
+
+    start = time.perf_counter()
+    out = head_dir(recipe)
+    reader = FeatureReader(recipe.features_dir, target=recipe.target.path)
+    if reader.manifest.layers[-1] != _num_layers(recipe) - 1:
+        raise UserError(f"{recipe.features_dir}: the last stored layer must be the target's last layer")
+    frozen = FrozenTarget.load(recipe.target.path)
+    spec = head_spec(recipe.head.kind, recipe.head.num_layers, frozen.cfg, reader.manifest.fingerprint["target"])
+    train_key = text_fingerprint(json.dumps(
+        {"recipe_train": recipe.train.model_dump(mode="json"), "head": recipe.head.model_dump(mode="json"),
+         "seed": recipe.seed, "features": reader.manifest.fingerprint}, sort_keys=True))
+    done_file = out / "config.json"
+    if done_file.is_file() and json.loads(done_file.read_text()).get("training_fingerprint") == train_key:
+        print(f"train: {out} is complete and matches the recipe; skipped", file=sys.stderr)
+        return out
+
+    torch.manual_seed(recipe.seed)
+    head = build_head(spec)
+    if recipe.head.init == "target_last_layer":
+        state = read_layer(recipe.target.path, frozen.cfg.num_layers - 1, list(_layer_suffixes(head)))
+        for layer in head.layers:
+            layer.load_state_dict({k: v for k, v in state.items() if k in layer.state_dict()}, strict=False)
+    t = recipe.train
+    optimizer = torch.optim.AdamW(head.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
+    accelerator = _accelerator(recipe)
+    world, rank = accelerator.num_processes, accelerator.process_index
+    per_epoch = len(plan_batches(reader.train, t.batch_tokens, recipe.seed, 0)) // (world * t.grad_accum)
+    if per_epoch == 0:
+        raise UserError(f"{recipe.features_dir}: too few training sequences for {world} process(es) x "
+                        f"{t.grad_accum} micro-batches; lower train.batch_tokens")
+    total = t.max_steps or max(1, int(t.epochs * per_epoch))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(t.warmup_steps, total))
+    ckpt_root = recipe.output_dir / "checkpoints" / recipe.head.kind
+    saved = load_checkpoint(ckpt_root, head, optimizer, scheduler)
+    step = saved["step"] if saved else 0
+    # The scheduler stays unwrapped: accelerate's wrapper would step it once per process.
+    model, optimizer = accelerator.prepare(head, optimizer)
+    log_path = recipe.output_dir / f"train_log.{recipe.head.kind}.jsonl"
+    if accelerator.is_main_process:
+        recipe.output_dir.mkdir(parents=True, exist_ok=True)
+        if step == 0 and log_path.exists():
+            log_path.unlink()
+    run = _wandb(recipe, accelerator.is_main_process)
+    weights = _weights(recipe)
+    if accelerator.is_main_process:
+        print(f"train: {spec.kind} head, {sum(p.numel() for p in head.parameters()):,} parameters, "
+              f"{len(reader.train)} train / {len(reader.heldout)} held-out sequences, {world} process(es), "
+              f"{total} steps" + (f", resuming at step {step}" if step else ""), file=sys.stderr)
+    bar = tqdm(total=total, initial=step, unit="step", disable=None if accelerator.is_main_process else True,
+               file=sys.stderr)
+    plans: dict[int, list[list[int]]] = {}
+    tokens_seen, t0 = 0, time.perf_counter()
+    while step < total:
+        epoch, index = divmod(step, per_epoch)
+        if epoch not in plans:
+            plans = {epoch: plan_batches(reader.train, t.batch_tokens, recipe.seed, epoch)}
+        step_loss, step_metrics = 0.0, [[0, 0] for _ in range(t.unroll)]
+        for micro in range(t.grad_accum):
+            batch_ids = plans[epoch][(index * t.grad_accum + micro) * world + rank]
+            batch = load_batch(reader, [reader.train[i] for i in batch_ids], t.batch_tokens, torch.float32)
+            sync = micro == t.grad_accum - 1
+            with accelerator.no_sync(model) if not sync else _null():
+                loss, metrics = head_loss(head, frozen, batch, weights, forward=model)
+                accelerator.backward(loss / t.grad_accum)
+            step_loss += float(loss.detach()) / t.grad_accum
+            tokens_seen += batch.num_tokens
+            for s, m in zip(step_metrics, metrics):
+                s[0] += m.correct
+                s[1] += m.count
+        accelerator.clip_grad_norm_(model.parameters(), t.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        mean_loss = float(accelerator.reduce(torch.tensor(step_loss), reduction="mean"))
+        record: dict[str, Any] = {"step": step, "loss": round(mean_loss, 6), "lr": scheduler.get_last_lr()[0],
+                                  "top1": [round(c / n, 4) if n else None for c, n in step_metrics]}
+        if step % t.val_every == 0 or step == total:
+            record.update(validate(accelerator.unwrap_model(model), frozen, reader, recipe))
+        if accelerator.is_main_process:
+            _log(log_path, record)
+            if run is not None:
+                run.log({k: v for k, v in record.items() if not isinstance(v, list)}, step=step)
+            bar.set_postfix_str(f"loss {mean_loss:.3f}, {tokens_seen * world / (time.perf_counter() - t0):,.0f} tok/s")
+        bar.update(1)
+        if step % t.save_every == 0 or step == total:
+            accelerator.wait_for_everyone()
+            if accelerator.is_main_process:
+                save_checkpoint(ckpt_root, step, accelerator.unwrap_model(model), optimizer, scheduler,
+                                {"epoch": epoch, "batch_in_epoch": index + 1, "per_epoch": per_epoch}, t.keep_checkpoints)
+            accelerator.wait_for_everyone()
+            crash_point("train", step)
+    bar.close()
+    # Every rank's weight digest, so that anyone can check the replicas stayed identical.
+    digest = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in head.parameters())).digest()
+    digests = accelerator.gather(torch.tensor(list(digest), dtype=torch.int64, device=accelerator.device))
+    rank_digests = [bytes(d.tolist()).hex() for d in digests.view(world, -1).cpu()]
+    if accelerator.is_main_process:
+        final = validate(accelerator.unwrap_model(model), frozen, reader, recipe)
+        save_head(out, accelerator.unwrap_model(model), {"training_fingerprint": train_key, "steps": step,
+                                                        "validation": final, "rank_weight_sha256": rank_digests})
+        print(f"train: {spec.kind} head -> {out}; held-out top-1 per step {final['val_top1']}, simulated tau "
+              f"{final['val_tau']}, {time.perf_counter() - start:.0f}s", file=sys.stderr)
+        if run is not None:
+            run.finish()
+    accelerator.wait_for_everyone()
+    return out
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+def _num_layers(recipe: Recipe) -> int:
+    from mtp_train.hf_checkpoint import find_checkpoint
+
+    return int(find_checkpoint(recipe.target.path).config["num_hidden_layers"])
+
+
+def _layer_suffixes(head) -> set[str]:
+    return {name.split(".", 2)[2] for name in head.state_dict() if name.startswith("layers.")}
+
+
+def _wandb(recipe: Recipe, main: bool):
+    mode = os.environ.get("WANDB_MODE", recipe.train.wandb_mode)
+    if not main or mode == "disabled":
+        return None
+    import wandb
+
+    return wandb.init(project=recipe.train.wandb_project, mode=mode, dir=str(recipe.output_dir),
+                      config=recipe.model_dump(mode="json"), name=f"{recipe.output_dir.name}-{recipe.head.kind}")
