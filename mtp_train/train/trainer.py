@@ -18,6 +18,7 @@ import math
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -150,15 +151,26 @@ def run_train(recipe: Recipe) -> Path:
     bar = tqdm(total=total, initial=step, unit="step", disable=None if accelerator.is_main_process else True,
                file=sys.stderr)
     plans: dict[int, list[list[int]]] = {}
+
+    def load(at_step: int, micro: int):
+        """This rank's micro-batch ``micro`` of optimizer step ``at_step`` (the data position is the step)."""
+        epoch, index = divmod(at_step, per_epoch)
+        if epoch not in plans:
+            plans[epoch] = plan_batches(reader.train, t.batch_tokens, recipe.seed, epoch)
+        ids = plans[epoch][(index * t.grad_accum + micro) * world + rank]
+        return lambda: load_batch(reader, [reader.train[i] for i in ids], t.batch_tokens, torch.float32)
+
+    # The next micro-batch loads on a background thread while the current one trains.
+    prefetch = ThreadPoolExecutor(max_workers=1)
+    pending = prefetch.submit(load(step, 0)) if step < total else None
     tokens_seen, t0 = 0, time.perf_counter()
     while step < total:
         epoch, index = divmod(step, per_epoch)
-        if epoch not in plans:
-            plans = {epoch: plan_batches(reader.train, t.batch_tokens, recipe.seed, epoch)}
         step_loss, step_metrics = 0.0, [[0, 0] for _ in range(t.unroll)]
         for micro in range(t.grad_accum):
-            batch_ids = plans[epoch][(index * t.grad_accum + micro) * world + rank]
-            batch = load_batch(reader, [reader.train[i] for i in batch_ids], t.batch_tokens, torch.float32)
+            batch = pending.result()
+            following = (step, micro + 1) if micro + 1 < t.grad_accum else (step + 1, 0)
+            pending = prefetch.submit(load(*following)) if following[0] < total else None
             sync = micro == t.grad_accum - 1
             with accelerator.no_sync(model) if not sync else _null():
                 loss, metrics = head_loss(head, frozen, batch, weights, forward=model)
@@ -192,6 +204,7 @@ def run_train(recipe: Recipe) -> Path:
             accelerator.wait_for_everyone()
             crash_point("train", step)
     bar.close()
+    prefetch.shutdown()
     # Every rank's weight digest, so that anyone can check the replicas stayed identical.
     digest = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in head.parameters())).digest()
     digests = accelerator.gather(torch.tensor(list(digest), dtype=torch.int64, device=accelerator.device))
