@@ -70,11 +70,11 @@ def recipe_settings(recipe: Recipe, world: int) -> dict:
     }
 
 
-def plan_shards(lengths: list[int], shard_tokens: int) -> list[list[int]]:
-    """Cut row indices, in order, into groups of about ``shard_tokens`` tokens (at least one row each)."""
+def group_by_tokens(lengths: list[int], budget: int) -> list[list[int]]:
+    """Cut indices, in order, into groups of at most ``budget`` tokens (a longer item gets a group of its own)."""
     shards, current, total = [], [], 0
     for i, n in enumerate(lengths):
-        if current and total + n > shard_tokens:
+        if current and total + n > budget:
             shards.append(current)
             current, total = [], 0
         current.append(i)
@@ -228,7 +228,7 @@ def run_precompute(
         skipped_rows=[{"file": f, "index": i, "why": w} for f, i, w in data.bad_rows],
         truncated_rows=sum(t for _, _, t in encoded),
     )
-    plan = plan_shards([len(ids) for ids, _, _ in encoded], recipe.precompute.shard_tokens)
+    plan = group_by_tokens([len(ids) for ids, _, _ in encoded], recipe.precompute.shard_tokens)
     done = len(manifest.shards)
     for s, entry in enumerate(manifest.shards):
         if s >= len(plan) or entry.row_ids != [rows[i].row_id for i in plan[s]]:

@@ -56,3 +56,15 @@ def shard_contents(features: Path) -> dict[int, dict]:
 
     reader = FeatureReader(features)
     return {ref.row_id: reader.load(ref) for ref in reader.sequences}
+
+
+def other_target(tmp: Path) -> Path:
+    """A copy of the tiny target whose config differs (so its fingerprint differs), in ``tmp/other_target``."""
+    import shutil
+
+    other = tmp / "other_target"
+    shutil.copytree(TINY_TARGET, other)
+    config = json.loads((other / "config.json").read_text())
+    config["rms_norm_eps"] = 1e-6
+    (other / "config.json").write_text(json.dumps(config))
+    return other

@@ -15,7 +15,7 @@ from conftest import REPO, TINY_TARGET, run_cli
 from mtp_train.errors import UserError
 from mtp_train.recipe import load_recipe
 from precompute.dataset import encode, load_rows
-from precompute_helpers import make_recipe, run_precompute_cli, sgd_rows, shard_contents, write_jsonl
+from precompute_helpers import make_recipe, other_target, run_precompute_cli, sgd_rows, shard_contents, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -199,11 +199,7 @@ def test_missing_shard_is_detected(copy_of_reference):
 def test_features_from_another_target_are_refused(copy_of_reference, tmp_path):
     from precompute.reader import FeatureReader
 
-    other = tmp_path / "other_target"
-    shutil.copytree(TINY_TARGET, other)
-    config = json.loads((other / "config.json").read_text())
-    config["rms_norm_eps"] = 1e-6
-    (other / "config.json").write_text(json.dumps(config))
+    other = other_target(tmp_path)
     assert len(FeatureReader(copy_of_reference, target=TINY_TARGET).train) == 36
     with pytest.raises(UserError, match="different target"):
         FeatureReader(copy_of_reference, target=other)

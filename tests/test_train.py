@@ -18,7 +18,7 @@ from mtp_train.heads import build_head, head_spec
 from mtp_train.heads.frozen import FrozenTarget
 from mtp_train.models.config import ModelConfig
 from mtp_train.recipe import load_recipe
-from precompute_helpers import make_recipe, run_precompute_cli, sgd_rows, write_jsonl
+from precompute_helpers import make_recipe, other_target, run_precompute_cli, sgd_rows, write_jsonl
 
 TRAIN = {"batch_tokens": 1024, "lr": 3e-3, "warmup_steps": 2, "unroll": 2, "val_every": 4, "save_every": 4,
          "wandb_mode": "disabled"}
@@ -214,13 +214,7 @@ def test_frozen_parts_are_read_selectively_and_stay_unchanged(tmp_path, features
 
 
 def test_features_from_another_target_are_a_one_line_error(tmp_path, features):
-    import shutil
-
-    other = tmp_path / "other"
-    shutil.copytree(TINY_TARGET, other)
-    cfg = json.loads((other / "config.json").read_text())
-    cfg["rms_norm_eps"] = 1e-6
-    (other / "config.json").write_text(json.dumps(cfg))
+    other = other_target(tmp_path)
     recipe = train_recipe(tmp_path, features, max_steps=2)
     proc = run_train_cli(recipe, f"target.path={other}")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr

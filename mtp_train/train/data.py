@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from precompute.reader import FeatureReader, SequenceRef
+from precompute.run import group_by_tokens
 
 
 @dataclass
@@ -31,17 +32,8 @@ class Batch:
 def plan_batches(refs: list[SequenceRef], batch_tokens: int, seed: int, epoch: int) -> list[list[int]]:
     """Indices into ``refs`` for each batch of one epoch: a seeded shuffle cut greedily by ``batch_tokens``."""
     order = torch.randperm(len(refs), generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
-    batches, current, total = [], [], 0
-    for i in order:
-        n = min(refs[i].stop - refs[i].start, batch_tokens)
-        if current and total + n > batch_tokens:
-            batches.append(current)
-            current, total = [], 0
-        current.append(i)
-        total += n
-    if current:
-        batches.append(current)
-    return batches
+    lengths = [min(refs[i].stop - refs[i].start, batch_tokens) for i in order]
+    return [[order[j] for j in group] for group in group_by_tokens(lengths, batch_tokens)]
 
 
 def load_batch(reader: FeatureReader, refs: list[SequenceRef], batch_tokens: int, dtype: torch.dtype) -> Batch:

@@ -47,7 +47,9 @@ def _accelerator(recipe: Recipe):
 
     kwargs: dict[str, Any] = {"mixed_precision": recipe.train.mixed_precision}
     if recipe.train.engine == "deepspeed":
-        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(zero_stage=recipe.train.zero_stage, gradient_clipping=None)
+        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(
+            zero_stage=recipe.train.zero_stage, gradient_accumulation_steps=recipe.train.grad_accum
+        )
     if not torch.cuda.is_available():
         kwargs["cpu"] = True
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: gloo, since NCCL needs CUDA
