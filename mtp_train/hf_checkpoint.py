@@ -21,10 +21,6 @@ class CheckpointFiles:
     config: dict[str, Any]
     weight_files: tuple[Path, ...]
 
-    @property
-    def model_type(self) -> str:
-        return str(self.config.get("model_type", ""))
-
 
 def _read_json(path: Path, what: str) -> dict[str, Any]:
     try:

@@ -19,6 +19,7 @@ import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -174,7 +175,7 @@ def run_train(recipe: Recipe) -> Path:
             following = (step, micro + 1) if micro + 1 < t.grad_accum else (step + 1, 0)
             pending = prefetch.submit(load(*following)) if following[0] < total else None
             sync = micro == t.grad_accum - 1
-            with accelerator.no_sync(model) if not sync else _null():
+            with accelerator.no_sync(model) if not sync else nullcontext():
                 loss, metrics = head_loss(head, frozen, batch, weights, forward=model)
                 accelerator.backward(loss / t.grad_accum)
             step_loss += float(loss.detach()) / t.grad_accum
@@ -221,14 +222,6 @@ def run_train(recipe: Recipe) -> Path:
             run.finish()
     accelerator.wait_for_everyone()
     return out
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc) -> None:
-        return None
 
 
 def _num_layers(recipe: Recipe) -> int:
