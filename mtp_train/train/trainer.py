@@ -143,8 +143,9 @@ def run_train(recipe: Recipe) -> Path:
     log_path = recipe.output_dir / f"train_log.{recipe.head.kind}.jsonl"
     if accelerator.is_main_process:
         recipe.output_dir.mkdir(parents=True, exist_ok=True)
-        if step == 0 and log_path.exists():
-            log_path.unlink()
+        if log_path.exists():  # keep only what the resumed checkpoint has seen
+            kept = [line for line in log_path.read_text().splitlines() if json.loads(line)["step"] <= step]
+            log_path.write_text("".join(line + "\n" for line in kept))
     run = _wandb(recipe, accelerator.is_main_process)
     weights = _weights(recipe)
     if accelerator.is_main_process:
@@ -160,7 +161,8 @@ def run_train(recipe: Recipe) -> Path:
         epoch, index = divmod(at_step, per_epoch)
         if epoch not in plans:
             plans[epoch] = plan_batches(reader.train, t.batch_tokens, recipe.seed, epoch)
-        ids = plans[epoch][(index * t.grad_accum + micro) * world + rank]
+        plan = plans[epoch]  # a reshuffled epoch can cut a batch or two fewer than epoch 0: wrap around
+        ids = plan[((index * t.grad_accum + micro) * world + rank) % len(plan)]
         return lambda: load_batch(reader, [reader.train[i] for i in ids], t.batch_tokens, torch.float32)
 
     # The next micro-batch loads on a background thread while the current one trains.
