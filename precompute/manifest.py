@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from mtp_train.errors import UserError
 from mtp_train.hf_checkpoint import find_checkpoint
 
 FORMAT_VERSION = 1
@@ -80,6 +81,21 @@ class Manifest(BaseModel):
             "bytes": self.total_bytes,
             "bytes_per_token": round(self.total_bytes / tokens, 1) if tokens else 0.0,
         }
+
+
+def union(parts: list[tuple[Path, Manifest]]) -> Manifest:
+    """One manifest covering every rank's part; complete only when every part is. Parts must share a fingerprint."""
+    merged = parts[0][1].model_copy(deep=True)
+    for path, part in parts[1:]:
+        if part.fingerprint != merged.fingerprint:
+            raise UserError(f"{path}: fingerprint differs from {parts[0][0].name}'s; these ranks ran different recipes")
+        merged.ranks += part.ranks
+        merged.row_ids += part.row_ids
+        merged.skipped_rows += part.skipped_rows
+        merged.truncated_rows += part.truncated_rows
+        merged.shards += part.shards
+        merged.complete = merged.complete and part.complete
+    return merged
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:

@@ -32,6 +32,7 @@ from precompute.manifest import (
     target_fingerprint,
     text_fingerprint,
     tokenizer_fingerprint,
+    union,
 )
 from precompute.writer import ShardWriter, crash_point
 
@@ -128,16 +129,8 @@ def merge_manifests(out: Path, world: int) -> Manifest | None:
         part = load_manifest(path)
         if not part.complete:
             return None
-        parts.append(part)
-    merged = parts[0].model_copy(deep=True)
-    for part in parts[1:]:
-        if part.fingerprint != merged.fingerprint:
-            raise UserError(f"{out / rank_manifest_name(part.ranks[0])}: fingerprint differs from rank 0's")
-        merged.ranks += part.ranks
-        merged.row_ids += part.row_ids
-        merged.skipped_rows += part.skipped_rows
-        merged.truncated_rows += part.truncated_rows
-        merged.shards += part.shards
+        parts.append((path, part))
+    merged = union(parts)
     save_manifest(out / MERGED, merged)
     return merged
 

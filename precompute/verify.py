@@ -9,7 +9,7 @@ from pathlib import Path
 from safetensors import safe_open
 
 from mtp_train.errors import UserError
-from precompute.manifest import MERGED, Manifest, load_manifest, rank_manifest_name
+from precompute.manifest import MERGED, Manifest, load_manifest, rank_manifest_name, union
 
 
 def load_features_manifest(root: Path) -> Manifest:
@@ -21,14 +21,7 @@ def load_features_manifest(root: Path) -> Manifest:
     parts = sorted(root.glob("manifest.rank-*.json"))
     if not parts:
         raise UserError(f"{root}: no manifest.json or manifest.rank-*.json; run precompute first")
-    merged = load_manifest(parts[0])
-    for path in parts[1:]:
-        part = load_manifest(path)
-        merged.ranks += part.ranks
-        merged.row_ids += part.row_ids
-        merged.shards += part.shards
-        merged.complete = merged.complete and part.complete
-    return merged
+    return union([(path, load_manifest(path)) for path in parts])
 
 
 def _expected(manifest: Manifest, t: int, s: int) -> dict[str, tuple[tuple[int, ...], str]]:
