@@ -107,9 +107,9 @@ def run_train(recipe: Recipe) -> Path:
     start = time.perf_counter()
     out = head_dir(recipe)
     reader = FeatureReader(recipe.features_dir, target=recipe.target.path)
-    if reader.manifest.layers[-1] != _num_layers(recipe) - 1:
-        raise UserError(f"{recipe.features_dir}: the last stored layer must be the target's last layer")
     frozen = FrozenTarget.load(recipe.target.path)
+    if reader.manifest.layers[-1] != frozen.cfg.num_layers - 1:
+        raise UserError(f"{recipe.features_dir}: the last stored layer must be the target's last layer")
     spec = head_spec(recipe.head.kind, recipe.head.num_layers, frozen.cfg, reader.manifest.fingerprint["target"])
     train_key = text_fingerprint(json.dumps(
         {"recipe_train": recipe.train.model_dump(mode="json"), "head": recipe.head.model_dump(mode="json"),
@@ -224,12 +224,6 @@ def run_train(recipe: Recipe) -> Path:
             run.finish()
     accelerator.wait_for_everyone()
     return out
-
-
-def _num_layers(recipe: Recipe) -> int:
-    from mtp_train.hf_checkpoint import find_checkpoint
-
-    return int(find_checkpoint(recipe.target.path).config["num_hidden_layers"])
 
 
 def _layer_suffixes(head) -> set[str]:
