@@ -1,0 +1,138 @@
+"""Acceptance metrics of speculative decoding, from per-request traces. Pure Python; no model needed.
+
+Conventions (the definitions of ``DESIGN.md``, "Evaluation"):
+
+- A **verification step** is one target forward that checks a draft of k tokens. ``accepted[s]`` is how many
+  of that step's draft tokens were accepted (0..k); ``emitted[s]`` is how many tokens the step appended: the
+  accepted ones plus the residual or bonus token (``accepted + 1``), or fewer when the request stopped inside
+  the step (EOS or ``max_new_tokens``). The prefill forward that yields the first token is not a verification
+  step. Plain decoding is ``accepted = 0, emitted = 1`` at every step.
+- **τ** (``pooled_tau``): emitted tokens per verification step, **bonus token included**, pooled over all
+  steps of all requests (not a mean of per-request ratios). Plain decoding has τ = 1.
+- **α_j** (``alpha``), j = 1..k: *conditional* α_j = #steps with accepted ≥ j / #steps with accepted ≥ j−1
+  (the rate draft position j is accepted given positions 1..j−1 were); *unconditional* α_j = #steps with
+  accepted ≥ j / #steps. Both count ``accepted``, so a step cut short by EOS still credits its accepted
+  drafts. A zero denominator gives 0.0.
+- **distinct-2** (``distinct2``): distinct bigrams / bigrams, bigrams taken inside each output and the set of
+  distinct ones over all outputs. A looping target scores low, and its inflated acceptance should be read
+  against this figure.
+- **Expected speedup** (``expected_speedup``): τ / (1 + k·c), c = cost of one draft step relative to one target
+  step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+LENGTH_BUCKETS = ((0, 127, "0-127"), (128, 511, "128-511"), (512, 2047, "512-2047"), (2048, None, "2048+"))
+
+
+@dataclass
+class RequestTrace:
+    """What one request did under speculative (or plain) decoding."""
+
+    prompt_id: str
+    category: str
+    prompt_tokens: int
+    accepted: list[int] = field(default_factory=list)  # per verification step: draft tokens accepted (0..k)
+    emitted: list[int] = field(default_factory=list)  # per verification step: tokens appended (1..accepted+1)
+    output: list[int] = field(default_factory=list)  # the generated token ids
+
+    def __post_init__(self) -> None:
+        if len(self.accepted) != len(self.emitted):
+            raise ValueError(f"{self.prompt_id}: {len(self.accepted)} accepted counts but {len(self.emitted)} emitted")
+        for s, (a, e) in enumerate(zip(self.accepted, self.emitted)):
+            if a < 0 or not 1 <= e <= a + 1:
+                raise ValueError(f"{self.prompt_id}: step {s} accepted {a} and emitted {e}; "
+                                 "need accepted >= 0 and 1 <= emitted <= accepted + 1")
+        if self.prompt_tokens < 0:
+            raise ValueError(f"{self.prompt_id}: prompt_tokens {self.prompt_tokens} < 0")
+
+    @property
+    def steps(self) -> int:
+        return len(self.accepted)
+
+
+def num_steps(traces: Iterable[RequestTrace]) -> int:
+    """Verification steps over all traces."""
+    return sum(t.steps for t in traces)
+
+
+def pooled_tau(traces: Iterable[RequestTrace]) -> float:
+    """Σ emitted / Σ verification steps over all traces (bonus token included; plain decoding = 1); 0.0 if no step."""
+    traces = list(traces)
+    steps = num_steps(traces)
+    return sum(sum(t.emitted) for t in traces) / steps if steps else 0.0
+
+
+def alpha(traces: Iterable[RequestTrace], k: int) -> tuple[list[float], list[float]]:
+    """``(conditional, unconditional)`` acceptance rates for draft positions j = 1..k (lists of length k)."""
+    if k < 0:
+        raise ValueError(f"k must be >= 0 (got {k})")
+    # at_least[j] = number of steps with accepted >= j, for j = 0..k
+    at_least = [0] * (k + 1)
+    for t in traces:
+        for a in t.accepted:
+            if a > k:
+                raise ValueError(f"{t.prompt_id}: a step accepted {a} draft tokens, more than k = {k}")
+            for j in range(a + 1):
+                at_least[j] += 1
+    steps = at_least[0]
+    conditional = [at_least[j] / at_least[j - 1] if at_least[j - 1] else 0.0 for j in range(1, k + 1)]
+    unconditional = [at_least[j] / steps if steps else 0.0 for j in range(1, k + 1)]
+    return conditional, unconditional
+
+
+def distinct2(outputs: Iterable[Iterable[int]]) -> float:
+    """Distinct bigrams / bigrams over all outputs, bigrams within each output only; 0.0 when there are none."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for out in outputs:
+        out = list(out)
+        pairs = list(zip(out, out[1:]))
+        total += len(pairs)
+        seen.update(pairs)
+    return len(seen) / total if total else 0.0
+
+
+def length_bucket(prompt_tokens: int) -> str:
+    """Context-length bucket of a prompt: ``"0-127"``, ``"128-511"``, ``"512-2047"`` or ``"2048+"``."""
+    if prompt_tokens < 0:
+        raise ValueError(f"prompt_tokens must be >= 0 (got {prompt_tokens})")
+    for low, high, name in LENGTH_BUCKETS:
+        if high is None or prompt_tokens <= high:
+            return name
+    raise AssertionError("unreachable")
+
+
+def _order(key: str) -> tuple[int, str]:
+    names = [name for _, _, name in LENGTH_BUCKETS]
+    return (names.index(key), "") if key in names else (len(names), key)
+
+
+def group_by(traces: Iterable[RequestTrace], key: str | Callable[[RequestTrace], str]) -> dict[str, list[RequestTrace]]:
+    """Traces grouped by ``key``, keys sorted (length buckets in length order), traces in input order.
+
+    ``key`` is a function of a trace, or a name: ``"length_bucket"`` (of ``prompt_tokens``) or a trace
+    attribute such as ``"category"`` or ``"prompt_id"``.
+    """
+    if isinstance(key, str):
+        name = key
+        if name == "length_bucket":
+            key = lambda t: length_bucket(t.prompt_tokens)  # noqa: E731
+        elif name in RequestTrace.__dataclass_fields__:
+            key = lambda t: str(getattr(t, name))  # noqa: E731
+        else:
+            raise ValueError(f"unknown group key {name!r}; use 'length_bucket', a trace field or a function")
+    groups: dict[str, list[RequestTrace]] = {}
+    for t in traces:
+        groups.setdefault(key(t), []).append(t)
+    return {k: groups[k] for k in sorted(groups, key=_order)}
+
+
+def expected_speedup(tau: float, k: int, c: float) -> float:
+    """τ / (1 + k·c): speedup over plain decoding when a draft step costs c target steps."""
+    if k < 0 or c < 0:
+        raise ValueError(f"need k >= 0 and c >= 0 (got k={k}, c={c})")
+    return tau / (1 + k * c)
