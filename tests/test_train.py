@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -46,7 +47,11 @@ def run_train_cli(recipe, *overrides, crash_at=None, launcher=None, timeout=600)
     if crash_at:
         env["MTP_TRAIN_CRASH_AT"] = crash_at
     cmd = [sys.executable, "-m", "mtp_train.cli", "train", str(recipe), *overrides]
-    if launcher:
+    if launcher == "deepspeed":  # ZeRO-2 over gloo on 2 CPU processes
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--zero_stage", "2",
+               "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               "-m", "mtp_train.cli", "train", str(recipe), "train.engine=deepspeed", "train.zero_stage=2", *overrides]
+    elif launcher:
         env["ACCELERATE_USE_CPU"] = "1"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(launcher),
                "-m", "mtp_train.cli", "train", str(recipe), *overrides]
@@ -194,6 +199,41 @@ def test_two_processes_keep_identical_weights_and_match_one_process(tmp_path, fe
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-3)
 
 
+@pytest.mark.slow
+def test_deepspeed_zero2_checkpoints_every_rank_and_resumes_exactly(tmp_path, features):
+    """Under ZeRO the optimizer state is partitioned: each rank saves and restores its own part."""
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "resumed"
+    ref_dir.mkdir()
+    run_dir.mkdir()
+    ref = run_train_cli(train_recipe(ref_dir, features, max_steps=4, save_every=2, grad_accum=2), launcher="deepspeed")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    assert "2 process(es)" in ref.stderr
+    step2 = ref_dir / "run" / "checkpoints" / "mtp" / "step-00000002"
+    shards = [torch.load(step2 / f"optimizer.rank-{r:05d}.pt", weights_only=True) for r in range(2)]
+    assert not torch.equal(shards[0]["fp32"][0], shards[1]["fp32"][0]), "each rank holds its own partition"
+    # Resume a second run from the reference's step-2 checkpoint: steps 3-4 and the weights must be identical.
+    ckpts = run_dir / "run" / "checkpoints" / "mtp"
+    ckpts.mkdir(parents=True)
+    shutil.copytree(step2, ckpts / step2.name)
+    (ckpts / "latest").write_text(step2.name)
+    resumed = run_train_cli(train_recipe(run_dir, features, max_steps=4, save_every=2, grad_accum=2),
+                            launcher="deepspeed")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming at step 2" in resumed.stderr
+    assert [r["loss"] for r in log(run_dir)] == [r["loss"] for r in log(ref_dir)][2:]
+    a = load_file(run_dir / "run" / "heads" / "mtp" / "model.safetensors")
+    b = load_file(ref_dir / "run" / "heads" / "mtp" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # Resuming a ZeRO checkpoint with another number of ranks, or without ZeRO, is refused in one line.
+    (ckpts / "latest").write_text(step2.name)
+    shutil.rmtree(run_dir / "run" / "heads")
+    recipe = train_recipe(run_dir, features, max_steps=4, save_every=2, grad_accum=2)
+    single = run_train_cli(recipe, "train.engine=deepspeed")
+    assert single.returncode == 2 and "resume with 2 process(es)" in single.stderr.strip().splitlines()[-1]
+    ddp = run_train_cli(recipe)
+    assert ddp.returncode == 2 and "train.engine=deepspeed" in ddp.stderr.strip().splitlines()[-1]
+
+
 def test_frozen_parts_are_read_selectively_and_stay_unchanged(tmp_path, features):
     recipe = train_recipe(tmp_path, features, max_steps=3, unroll=1)
     frozen = FrozenTarget.load(TINY_TARGET)
@@ -224,7 +264,7 @@ def test_features_from_another_target_are_a_one_line_error(tmp_path, features):
 def test_corrupt_checkpoint_is_a_one_line_error(tmp_path, features):
     recipe = train_recipe(tmp_path, features, max_steps=4, save_every=2)
     assert run_train_cli(recipe, "train.max_steps=2").returncode == 0
-    ckpt = tmp_path / "run" / "checkpoints" / "mtp" / "step-00000002" / "optimizer.pt"
+    ckpt = tmp_path / "run" / "checkpoints" / "mtp" / "step-00000002" / "optimizer.rank-00000.pt"
     ckpt.write_bytes(ckpt.read_bytes()[:50])
     proc = run_train_cli(recipe)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr

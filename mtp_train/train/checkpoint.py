@@ -1,9 +1,11 @@
 """Resumable training state and the final head directory, all written atomically.
 
 A checkpoint is ``checkpoints/step-NNNNNNNN/`` with ``head.safetensors`` (trainable tensors),
-``optimizer.pt`` and ``rng.pt`` (tensor-only, loaded with ``weights_only=True``) and
-``state.json`` (step, data position, scheduler). It is written to a temp directory and renamed;
-then the ``latest`` pointer is replaced; the oldest checkpoints beyond ``keep`` are deleted.
+``optimizer.rank-RRRRR.pt`` (one per rank under DeepSpeed ZeRO, whose optimizer state is
+partitioned; one from rank 0 under DDP, whose replicas are identical), ``rng.pt`` (all tensor-only,
+loaded with ``weights_only=True``) and ``state.json`` (step, data position, scheduler, number of
+optimizer shards). Every rank writes into one temp directory; rank 0 then renames it, replaces the
+``latest`` pointer and deletes the oldest checkpoints beyond ``keep``.
 """
 
 from __future__ import annotations
@@ -34,17 +36,38 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(root: Path, step: int, head: DraftHead, optimizer, scheduler, state: dict[str, Any],
-                    keep: int) -> Path:
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{step:08d}"
-    tmp = root / f".tmp-step-{step:08d}"
+def _tmp_dir(root: Path, step: int) -> Path:
+    return root / f".tmp-step-{step:08d}"
+
+
+def _optimizer_file(path: Path, rank: int) -> Path:
+    return path / f"optimizer.rank-{rank:05d}.pt"
+
+
+def begin_checkpoint(root: Path, step: int) -> Path:
+    """Rank 0, before any rank writes: a fresh temp directory for step ``step``."""
+    tmp = _tmp_dir(root, step)
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def save_optimizer_shard(root: Path, step: int, rank: int, state: dict[str, Any]) -> None:
+    """Every rank that owns optimizer state: its (tensor-only) state into the step's temp directory."""
+    path = _optimizer_file(_tmp_dir(root, step), rank)
+    torch.save(state, path)
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def finish_checkpoint(root: Path, step: int, head: DraftHead, scheduler, state: dict[str, Any], shards: int,
+                      keep: int) -> Path:
+    """Rank 0, after every rank saved its optimizer shard: the rest, then rename, ``latest`` and rotation."""
+    final, tmp = root / f"step-{step:08d}", _tmp_dir(root, step)
     save_file({k: v.detach().contiguous() for k, v in head.state_dict().items()}, tmp / "head.safetensors")
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
-    write_json_atomic(tmp / "state.json", {**state, "step": step, "scheduler": scheduler.state_dict()})
+    write_json_atomic(tmp / "state.json", {**state, "step": step, "scheduler": scheduler.state_dict(),
+                                           "optimizer_shards": shards})
     _fsync_dir(tmp)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
@@ -56,23 +79,45 @@ def save_checkpoint(root: Path, step: int, head: DraftHead, optimizer, scheduler
     return final
 
 
-def load_checkpoint(root: Path, head: DraftHead, optimizer, scheduler) -> dict[str, Any] | None:
-    """Restore from ``latest`` if there is one; returns the saved state, or None for a fresh start."""
+def _corrupt(path: Path, pointer: Path, e: Exception) -> UserError:
+    return UserError(f"{path}: checkpoint is corrupt or incomplete ({str(e).splitlines()[0][:160]}); "
+                     f"delete it and point {pointer} at an older one, or start over")
+
+
+def load_checkpoint(root: Path, head: DraftHead, scheduler) -> tuple[Path, dict[str, Any]] | None:
+    """Restore the head, scheduler and RNG from ``latest`` if there is one: ``(its directory, saved state)``.
+
+    The optimizer is restored separately, once it is prepared, by ``load_optimizer_shard``.
+    """
     pointer = root / LATEST
     if not pointer.is_file():
         return None
     path = root / pointer.read_text().strip()
     try:
         head.load_state_dict(load_file(path / "head.safetensors"))
-        optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
         rng = torch.load(path / "rng.pt", weights_only=True)
         state = json.loads((path / "state.json").read_text())
+        scheduler.load_state_dict(state.pop("scheduler"))
     except Exception as e:  # a missing, truncated or foreign file
-        raise UserError(f"{path}: checkpoint is corrupt or incomplete ({str(e).splitlines()[0][:160]}); "
-                        f"delete it and point {pointer} at an older one, or start over") from None
-    scheduler.load_state_dict(state.pop("scheduler"))
+        raise _corrupt(path, pointer, e) from None
     torch.set_rng_state(rng["torch"])
-    return state
+    return path, state
+
+
+def load_optimizer_shard(path: Path, state: dict[str, Any], rank: int, world: int, sharded: bool) -> dict[str, Any]:
+    """This rank's optimizer state from checkpoint ``path`` (rank 0's when the state is replicated)."""
+    shards = int(state.get("optimizer_shards", 1))
+    if sharded and shards != world:
+        raise UserError(f"{path}: the checkpoint's optimizer state is split over {shards} ZeRO rank(s); "
+                        f"resume with {shards} process(es), or start over")
+    if not sharded and shards != 1:
+        raise UserError(f"{path}: the checkpoint was written by DeepSpeed ZeRO ({shards} optimizer shards); "
+                        f"resume with train.engine=deepspeed")
+    file = _optimizer_file(path, rank if sharded else 0)
+    try:
+        return torch.load(file, weights_only=True)
+    except Exception as e:
+        raise _corrupt(path, path.parent / LATEST, e) from None
 
 
 def head_to_hf(head: DraftHead) -> dict[str, torch.Tensor]:

@@ -30,7 +30,8 @@ from mtp_train.heads import build_head, head_spec
 from mtp_train.heads.frozen import FrozenTarget
 from mtp_train.models.checkpoint import read_layer
 from mtp_train.recipe import Recipe
-from mtp_train.train.checkpoint import load_checkpoint, save_checkpoint, save_head
+from mtp_train.train.checkpoint import (begin_checkpoint, finish_checkpoint, load_checkpoint, load_optimizer_shard,
+                                        save_head, save_optimizer_shard)
 from mtp_train.train.data import load_batch, plan_batches
 from mtp_train.train.loss import LossWeights, head_loss, simulated_tau
 from precompute.manifest import text_fingerprint
@@ -48,14 +49,27 @@ def _accelerator(recipe: Recipe):
 
     kwargs: dict[str, Any] = {"mixed_precision": recipe.train.mixed_precision}
     if recipe.train.engine == "deepspeed":
+        for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": "29511"}.items():
+            os.environ.setdefault(key, value)  # not launched: one process (DeepSpeed would look for MPI)
         kwargs["deepspeed_plugin"] = DeepSpeedPlugin(
-            zero_stage=recipe.train.zero_stage, gradient_accumulation_steps=recipe.train.grad_accum
+            zero_stage=recipe.train.zero_stage, gradient_accumulation_steps=recipe.train.grad_accum,
+            gradient_clipping=recipe.train.grad_clip,
         )
     if not torch.cuda.is_available():
-        kwargs["cpu"] = True
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: gloo, since NCCL needs CUDA
+        if recipe.train.engine == "deepspeed":
+            import deepspeed.ops
+
+            # DeepSpeed's shared-memory all-reduce compiles C++ for minutes on first use; gloo does the job.
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        else:
+            kwargs["cpu"] = True  # (with cpu=True, accelerate would silently drop DeepSpeed)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # gloo, since NCCL needs CUDA
             kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
-    return Accelerator(**kwargs)
+    accelerator = Accelerator(**kwargs)
+    if recipe.train.engine == "deepspeed":  # batches are packed by tokens, so one "sample" per micro-batch
+        accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 1
+    return accelerator
 
 
 def _lr_lambda(warmup: int, total: int):
@@ -136,10 +150,13 @@ def run_train(recipe: Recipe) -> Path:
     total = t.max_steps or max(1, int(t.epochs * per_epoch))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(t.warmup_steps, total))
     ckpt_root = recipe.output_dir / "checkpoints" / recipe.head.kind
-    saved = load_checkpoint(ckpt_root, head, optimizer, scheduler)
-    step = saved["step"] if saved else 0
+    zero = recipe.train.engine == "deepspeed"  # optimizer state partitioned over the ranks
+    saved = load_checkpoint(ckpt_root, head, scheduler)
+    step = saved[1]["step"] if saved else 0
     # The scheduler stays unwrapped: accelerate's wrapper would step it once per process.
     model, optimizer = accelerator.prepare(head, optimizer)
+    if saved:
+        _restore_optimizer(optimizer, load_optimizer_shard(*saved, rank, world, zero), zero)
     log_path = recipe.output_dir / f"train_log.{recipe.head.kind}.jsonl"
     if accelerator.is_main_process:
         recipe.output_dir.mkdir(parents=True, exist_ok=True)
@@ -177,9 +194,10 @@ def run_train(recipe: Recipe) -> Path:
             following = (step, micro + 1) if micro + 1 < t.grad_accum else (step + 1, 0)
             pending = prefetch.submit(load(*following)) if following[0] < total else None
             sync = micro == t.grad_accum - 1
-            with accelerator.no_sync(model) if not sync else nullcontext():
+            # DeepSpeed counts micro-batches itself (accumulate); DDP skips the all-reduce until the last one.
+            with accelerator.accumulate(model) if zero else accelerator.no_sync(model) if not sync else nullcontext():
                 loss, metrics = head_loss(head, frozen, batch, weights, forward=model)
-                accelerator.backward(loss / t.grad_accum)
+                accelerator.backward(loss if zero else loss / t.grad_accum)  # DeepSpeed divides by itself
             step_loss += float(loss.detach()) / t.grad_accum
             tokens_seen += batch.num_tokens
             for s, m in zip(step_metrics, metrics):
@@ -204,8 +222,15 @@ def run_train(recipe: Recipe) -> Path:
         if step % t.save_every == 0 or step == total:
             accelerator.wait_for_everyone()
             if accelerator.is_main_process:
-                save_checkpoint(ckpt_root, step, accelerator.unwrap_model(model), optimizer, scheduler,
-                                {"epoch": epoch, "batch_in_epoch": index + 1, "per_epoch": per_epoch}, t.keep_checkpoints)
+                begin_checkpoint(ckpt_root, step)
+            accelerator.wait_for_everyone()
+            if zero or accelerator.is_main_process:
+                save_optimizer_shard(ckpt_root, step, rank, _optimizer_state(optimizer, zero))
+            accelerator.wait_for_everyone()
+            if accelerator.is_main_process:
+                finish_checkpoint(ckpt_root, step, accelerator.unwrap_model(model), scheduler,
+                                  {"epoch": epoch, "batch_in_epoch": index + 1, "per_epoch": per_epoch},
+                                  world if zero else 1, t.keep_checkpoints)
             accelerator.wait_for_everyone()
             crash_point("train", step)
     bar.close()
@@ -224,6 +249,26 @@ def run_train(recipe: Recipe) -> Path:
             run.finish()
     accelerator.wait_for_everyone()
     return out
+
+
+def _optimizer_state(optimizer, zero: bool) -> dict[str, Any]:
+    """This rank's optimizer state, tensors only. Under ZeRO: the base AdamW's state over this rank's
+    flat partition, and that partition's fp32 master weights."""
+    if not zero:
+        return optimizer.state_dict()
+    partitioned = optimizer.optimizer  # accelerate's wrapper -> DeepSpeed's ZeRO optimizer
+    return {"base": partitioned.optimizer.state_dict(),
+            "fp32": [t.detach().clone() for t in partitioned.single_partition_of_fp32_groups]}
+
+
+def _restore_optimizer(optimizer, saved: dict[str, Any], zero: bool) -> None:
+    if not zero:
+        optimizer.load_state_dict(saved)
+        return
+    partitioned = optimizer.optimizer
+    partitioned.optimizer.load_state_dict(saved["base"])
+    for current, old in zip(partitioned.single_partition_of_fp32_groups, saved["fp32"], strict=True):
+        current.data.copy_(old)
 
 
 def _layer_suffixes(head) -> set[str]:
