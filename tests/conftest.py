@@ -32,3 +32,23 @@ def run_cli(*args: str | os.PathLike[str], cwd: Path = REPO, timeout: float = 12
 @pytest.fixture
 def cli():
     return run_cli
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory) -> Path:
+    """A small real run on the tiny target: features of 60 SGD dialogues and an ``mtp`` head trained on them
+    for 60 steps. Returns the recipe path; its outputs are under ``run/`` beside it."""
+    from precompute_helpers import make_recipe, sgd_rows, write_jsonl
+
+    tmp = tmp_path_factory.mktemp("trained")
+    data = write_jsonl(tmp / "sgd.jsonl", sgd_rows(60, split="train"))
+    recipe = make_recipe(
+        tmp, data, data={"heldout_rows": 8}, precompute={"layers": [-1], "topk": 16},
+        train={"batch_tokens": 2048, "lr": 3e-3, "warmup_steps": 5, "unroll": 2, "max_steps": 60, "val_every": 60,
+               "save_every": 60, "wandb_mode": "disabled"},
+        eval={"k": [1, 2], "temperatures": [0.0], "prompt_sets": ["heldout"], "max_prompts": 8, "max_new_tokens": 24},
+    )
+    for stage in ("precompute", "train"):
+        proc = run_cli(stage, recipe, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return recipe

@@ -85,14 +85,18 @@ class DraftHead(nn.Module):
     def forward(
         self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cu_seqlens: list[int]
     ) -> torch.Tensor:
-        """One draft step over packed documents: ``[T, H]`` inputs -> output hidden ``[T, H]``."""
+        """One draft step over packed documents (training): ``[T, H]`` inputs -> output hidden ``[T, H]``."""
+        return self.run(embeds, hidden, positions, DocumentCausalAttention(cu_seqlens), [(None, None)] * len(self.layers))
+
+    def run(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, plan, kv: list) -> torch.Tensor:
+        """The forward shared by the trainer and the runtime: ``plan`` is the attention (document-causal in
+        training, a paged KV step in the runtime) and ``kv`` the per-layer caches. ``[T, H]`` -> ``[T, H]``."""
         if self.spec.zero_embed_at_position0:
             embeds = embeds.masked_fill((positions == 0)[:, None], 0.0)
         x = self.fuse(embeds, hidden)
         cos_sin = self.rope.cos_sin(positions, x.dtype)
-        plan = DocumentCausalAttention(cu_seqlens)
-        for layer in self.layers:
-            x = layer(x, cos_sin, plan, (None, None))
+        for layer, cache in zip(self.layers, kv, strict=True):
+            x = layer(x, cos_sin, plan, cache)
         return x
 
 

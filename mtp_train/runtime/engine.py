@@ -145,13 +145,12 @@ class Engine:
 
     # -- generate ----------------------------------------------------------------------------------------
 
-    @torch.inference_mode()
-    def generate(
-        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] = SamplingParams()
-    ) -> list[GenerationResult]:
-        """Decode every prompt to completion with continuous batching; results are in prompt order."""
+    def start(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], slots_per_token: int = 1
+    ) -> tuple[Scheduler, list[Sequence]]:
+        """Queue the requests; ``slots_per_token`` > 1 reserves KV room for a draft as well."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        scheduler = Scheduler(self.allocator, self.max_batch_tokens, self.max_seqs)
+        scheduler = Scheduler(self.allocator, self.max_batch_tokens, self.max_seqs, slots_per_token)
         seqs = []
         for i, (prompt, p) in enumerate(zip(prompts, plist, strict=True)):
             if not prompt:
@@ -162,12 +161,23 @@ class Engine:
             seq.stats.prompt_tokens = len(prompt)
             scheduler.add(seq)
             seqs.append(seq)
+        return scheduler, seqs
+
+    @torch.inference_mode()
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] = SamplingParams()
+    ) -> list[GenerationResult]:
+        """Decode every prompt to completion with continuous batching; results are in prompt order."""
+        scheduler, seqs = self.start(prompts, params)
         while not scheduler.done:
             self.step(scheduler)
         return [GenerationResult(seq.output, seq.stats) for seq in seqs]
 
-    def step(self, scheduler: Scheduler) -> None:
-        """One continuous-batching step: schedule, forward, sample, retire finished sequences."""
+    def step(self, scheduler: Scheduler) -> tuple[list[tuple[Sequence, list[int]]], torch.Tensor]:
+        """One continuous-batching step: schedule, forward, sample, retire finished sequences.
+
+        Returns the batch and its pre-norm hidden states ``[T, H]`` (a speculative draft catches up from them).
+        """
         scheduled = scheduler.schedule()
         if not scheduled:
             raise RuntimeError("scheduler produced an empty batch with work pending")
@@ -181,6 +191,7 @@ class Engine:
             seq.append(int(token), self.cfg.max_positions)
             if seq.status is Status.FINISHED:
                 scheduler.retire(seq)
+        return scheduled, hidden
 
     # -- score -------------------------------------------------------------------------------------------
 

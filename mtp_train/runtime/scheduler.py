@@ -18,15 +18,16 @@ from mtp_train.runtime.sequence import Sequence, Status
 
 
 class Scheduler:
-    def __init__(self, allocator: PageAllocator, max_batch_tokens: int, max_seqs: int) -> None:
+    def __init__(self, allocator: PageAllocator, max_batch_tokens: int, max_seqs: int, slots_per_token: int = 1) -> None:
         self.allocator = allocator
+        self.slots_per_token = slots_per_token  # 2 when a draft keeps its own K/V beside the target's
         self.max_batch_tokens = max_batch_tokens
         self.max_seqs = max_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
-        worst = len(seq.tokens) + seq.params.max_new_tokens
+        worst = (len(seq.tokens) + seq.params.max_new_tokens) * self.slots_per_token
         capacity = self.allocator.num_pages * self.allocator.page_size
         if worst > capacity:
             raise UserError(
@@ -39,8 +40,10 @@ class Scheduler:
     def done(self) -> bool:
         return not self.waiting and not self.running
 
-    def _preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence) -> None:
+        """Free the sequence's pages (target and draft) and queue it, first, to be prefilled again."""
         self.allocator.free(seq.pages)
+        self.allocator.free(seq.draft_pages)
         self.running.remove(seq)
         seq.status = Status.WAITING
         seq.stats.preemptions += 1
@@ -60,7 +63,7 @@ class Scheduler:
                     break
                 except OutOfPages:
                     victim = self.running[-1]
-                    self._preempt(victim)
+                    self.preempt(victim)
                     if victim is seq:
                         break
             if seq.status is Status.RUNNING:
@@ -84,4 +87,5 @@ class Scheduler:
     def retire(self, seq: Sequence) -> None:
         """Release a finished sequence's pages and its batch slot."""
         self.allocator.free(seq.pages)
+        self.allocator.free(seq.draft_pages)
         self.running.remove(seq)

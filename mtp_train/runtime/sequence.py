@@ -26,6 +26,8 @@ class RequestStats:
     generated_tokens: int = 0
     forward_steps: int = 0
     preemptions: int = 0
+    accepted: list[int] = field(default_factory=list)  # per speculative verification: draft tokens accepted
+    emitted: list[int] = field(default_factory=list)  # per speculative verification: tokens appended
     finish_reason: str = ""
     first_token_s: float = 0.0
     total_s: float = 0.0
@@ -36,6 +38,7 @@ class Sequence:
     """``tokens`` holds the prompt followed by everything generated so far.
 
     ``cached`` counts the tokens whose K/V are in ``pages``; the rest still need a forward.
+    ``draft_pages`` hold a speculative draft's own K/V (from the same allocator), when there is a draft.
     """
 
     request_id: int
@@ -44,6 +47,7 @@ class Sequence:
     stop_ids: frozenset[int]
     prompt_len: int
     pages: PageTable = field(default_factory=PageTable)
+    draft_pages: PageTable = field(default_factory=PageTable)
     status: Status = Status.WAITING
     generator: torch.Generator | None = None
     stats: RequestStats = field(default_factory=RequestStats)

@@ -1,0 +1,130 @@
+"""Speculative decoding in the runtime: lossless in both modes, at any batch, k and page pressure."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, TINY_TARGET
+from hf_models import save_random_model
+from mtp_train.models.checkpoint import load_transformer
+from mtp_train.runtime.engine import Engine
+from mtp_train.runtime.sampling import SamplingParams
+from mtp_train.runtime.speculative import DraftModelDrafter, HeadDrafter, SpeculativeDecoder
+from mtp_train.train.checkpoint import load_head
+
+GREEDY = SamplingParams(max_new_tokens=24, stop_token_ids=())
+PRESSURE_PAGES = 40  # 640 slots for 8 sequences of up to ~150 tokens, K/V for target and draft: preemptions
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    """16 chat prompts of different lengths from the SGD dev split."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(TINY_TARGET)
+    with gzip.open(REPO / "data/sgd/sgd_dev_sharegpt.jsonl.gz", "rt") as f:
+        rows = [json.loads(next(f)) for _ in range(16)]
+    roles = {"human": "user", "gpt": "assistant"}
+    out = []
+    for i, row in enumerate(rows):
+        turns = [{"role": roles[t["from"]], "content": t["value"]} for t in row["conversations"][: 2 * (i % 4) + 1]]
+        out.append(tok.apply_chat_template(turns, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(prompts) -> list[list[int]]:
+    return [r.tokens for r in Engine.from_pretrained(TINY_TARGET).generate(prompts, GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def random_draft(tmp_path_factory) -> Path:
+    """A tiny random Qwen2 (another family than the Llama target) with the target's vocabulary."""
+    root = tmp_path_factory.mktemp("draft")
+    save_random_model("qwen2", root, vocab_size=4096, hidden_size=64, num_hidden_layers=1, max_position_embeddings=2048)
+    return root
+
+
+def decode(prompts, make_drafter, k: int, max_seqs: int, num_pages: int | None = None, params=GREEDY):
+    engine = Engine.from_pretrained(TINY_TARGET, page_size=16, num_pages=num_pages, max_seqs=max_seqs)
+    decoder = SpeculativeDecoder(engine, make_drafter(engine), k)
+    out = decoder.generate(prompts, params)
+    assert engine.allocator.num_free == engine.allocator.num_pages, "every page is returned"
+    return out
+
+
+CASES = [(k, max_seqs, pages) for k in (1, 2, 3, 4) for max_seqs, pages in ((1, None), (8, PRESSURE_PAGES))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k,max_seqs,pages", CASES)
+def test_draft_target_greedy_is_lossless(prompts, reference, random_draft, k, max_seqs, pages):
+    out = decode(prompts, lambda e: DraftModelDrafter(e, load_transformer(random_draft)), k, max_seqs, pages)
+    assert [r.tokens for r in out] == reference
+    if pages:
+        assert sum(r.stats.preemptions for r in out) > 0, "the case is meant to run under page pressure"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k,max_seqs,pages", CASES)
+def test_mtp_greedy_is_lossless_with_a_trained_head(prompts, reference, trained_run, k, max_seqs, pages):
+    head = load_head(trained_run.parent / "run" / "heads" / "mtp")
+    out = decode(prompts, lambda e: HeadDrafter(e, head), k, max_seqs, pages)
+    assert [r.tokens for r in out] == reference
+    accepted = [a for r in out for a in r.stats.accepted]
+    assert sum(accepted) > 0, "a trained head has some drafts accepted"
+    if pages:
+        assert sum(r.stats.preemptions for r in out) > 0
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_an_identical_draft_is_always_accepted(prompts, reference, k):
+    """The target as its own draft: every step accepts all k drafts, so tau = k + 1 (bonus included)."""
+    out = decode(prompts[:4], lambda e: DraftModelDrafter(e, load_transformer(TINY_TARGET)), k, 4)
+    assert [r.tokens for r in out] == reference[:4]
+    for r in out:
+        # Every step but the last emits k + 1; the last is cut by max_new_tokens.
+        assert all(a == k and e == k + 1 for a, e in zip(r.stats.accepted[:-1], r.stats.emitted[:-1]))
+        assert 1 + sum(r.stats.emitted) == GREEDY.max_new_tokens  # (+1: the prefill step's token)
+
+
+def test_a_useless_draft_still_gives_the_correct_output(prompts, reference):
+    """A draft that never agrees (random weights): almost nothing is accepted, and the output is unchanged."""
+    out = decode(prompts[:4], lambda e: HeadDrafter(e, _random_head(e)), 3, 4)
+    assert [r.tokens for r in out] == reference[:4]
+    steps = [e for r in out for e in r.stats.emitted]
+    assert sum(steps) / len(steps) < 1.2
+
+
+def _random_head(engine):
+    from mtp_train.heads import build_head, head_spec
+
+    torch.manual_seed(0)
+    return build_head(head_spec("mtp", 1, engine.cfg, "random"))
+
+
+def test_sampling_distribution_equals_the_target(random_draft):
+    """At temperature 1, the second and third generated tokens (both speculative) follow the target's
+    distribution: chi-square of speculative against plain sampling over 600 seeds each."""
+    prompt = [0, 5, 300, 301, 302, 6]
+    params = [SamplingParams(temperature=1.0, max_new_tokens=3, stop_token_ids=(), seed=s) for s in range(600)]
+    plain = Engine.from_pretrained(TINY_TARGET, max_seqs=64).generate([prompt] * 600, params)
+    spec = decode([prompt] * 600, lambda e: DraftModelDrafter(e, load_transformer(random_draft)), 2, 64, params=params)
+    for position in (1, 2):
+        a = Counter(r.tokens[position] for r in plain)
+        b = Counter(r.tokens[position] for r in spec)
+        common = [t for t in set(a) | set(b) if a[t] + b[t] >= 20]
+        rest_a = 600 - sum(a[t] for t in common)
+        rest_b = 600 - sum(b[t] for t in common)
+        cells = [(a[t], b[t]) for t in common] + [(rest_a, rest_b)]
+        chi2 = sum((x - y) ** 2 / (x + y) for x, y in cells if x + y)  # two equal-size samples
+        dof = len(cells) - 1
+        # p = 0.001 critical value, Wilson-Hilferty approximation
+        critical = dof * (1 - 2 / (9 * dof) + 3.09 * (2 / (9 * dof)) ** 0.5) ** 3
+        assert chi2 < critical, (position, chi2, critical, dof)
