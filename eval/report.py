@@ -105,6 +105,15 @@ class SweepPoint(BaseModel):
     by_length: dict[str, Group]
 
 
+class Comparison(BaseModel):
+    """Another draft decoded on the same prompts (another head kind, or the bigram baseline)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    sweep: list[SweepPoint]
+
+
 class BaselineDiff(BaseModel):
     """This report against an earlier one: deltas (new minus old) and the regressions they show."""
 
@@ -146,6 +155,7 @@ class Report(BaseModel):
     val_mismatch: bool
     # Everything measured, the context.
     sweep: list[SweepPoint]
+    comparisons: list[Comparison] = Field(default_factory=list)
     mode: str
     settings: dict[str, Any]
     versions: dict[str, str]
@@ -387,6 +397,23 @@ def _sections(report: Report) -> list[tuple[str, list[tuple]]]:
         else ("p", "No context-length buckets recorded."),
         ("img", "tau_by_length"),
     ]))
+
+    # Other drafts on the same prompts.
+    if r.comparisons:
+        rows = [
+            [name, str(p.k), f"{p.temperature:g}", _num(p.tau), _alphas(p.alpha), _num(p.draft_cost_ratio, 3),
+             _num(p.expected_speedup, 2, "×"), _num(p.measured_speedup, 2, "×"), _lossless_cell(p.lossless)]
+            for name, sweep in [(f"{r.mode} (this report)", r.sweep)] + [(c.name, c.sweep) for c in r.comparisons]
+            for p in sorted(sweep, key=lambda p: (p.temperature, p.k))
+            if p.temperature == min(q.temperature for q in r.sweep)
+        ]
+        sections.append(("Other drafts on the same prompts", [
+            ("p", "Every draft decodes the same prompts with the same target, at the lowest temperature of the "
+                  "sweep. The bigram baseline drafts the most frequent successor of each token in the training "
+                  "features (no neural network; cost close to zero)."),
+            ("table", ["draft", "k", "T", "τ", "α_j conditional", "c", "expected speedup", "measured speedup",
+                       "lossless"], rows),
+        ]))
 
     # Validation.
     blocks = [("p", "Teacher-forced loss and accuracy per unrolled step, computed by the runtime's target and head "

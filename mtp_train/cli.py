@@ -18,7 +18,8 @@ USAGE = """\
 mtp-train RECIPE.yaml [KEY.PATH=VALUE ...] [--dry-run]     run every stage in order
 mtp-train {precompute,train,eval,report,export} RECIPE.yaml [KEY.PATH=VALUE ...] [--dry-run]
 mtp-train verify FEATURES_DIR                               check every shard's checksum
-mtp-train precompute RECIPE.yaml [--overwrite] [--rank R --world-size W]"""
+mtp-train precompute RECIPE.yaml [--overwrite] [--rank R --world-size W]
+mtp-train {eval,report} RECIPE.yaml [--baseline OLD/report.json]"""
 
 DESCRIPTION = """\
 Train speculative-decoding draft heads (DeepSeek-V3 MTP with RMSNorms restored, EAGLE)
@@ -64,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--overwrite", action="store_true", help="replace features made from a different recipe")
             p.add_argument("--rank", type=int, help="this worker's rank (default: from SLURM array or torchrun)")
             p.add_argument("--world-size", type=int, help="number of workers sharing the rows")
+        if name in ("eval", "report"):
+            p.add_argument("--baseline", type=Path, help="an earlier report.json: add deltas and flag regressions")
     verify = sub.add_parser("verify", help=argparse.SUPPRESS)
     verify.add_argument("features_dir", type=Path, metavar="FEATURES_DIR")
     return parser
@@ -92,6 +95,9 @@ def _dispatch(args: argparse.Namespace) -> int:
                 options["overwrite"] = args.overwrite
                 if args.command == "precompute":
                     options.update(rank=args.rank, world=args.world_size)
+            if stage.name in ("eval", "report"):
+                options["baseline"] = getattr(args, "baseline", None)
+                options["full_run"] = args.command == "run"
             run_stage(stage, recipe, **options)
     except StageNotBuilt as e:
         if args.command != "run":

@@ -40,7 +40,29 @@ def _precompute(recipe: Recipe, **options) -> None:
 def _train(recipe: Recipe, **options) -> None:
     from mtp_train.train.trainer import run_train
 
-    run_train(recipe)
+    for kind in head_kinds(recipe):
+        run_train(recipe.model_copy(update={"head": recipe.head.model_copy(update={"kind": kind})}))
+
+
+def head_kinds(recipe: Recipe) -> list[str]:
+    """``head.kind`` first, then the head kinds that ``eval.compare`` asks to compare against."""
+    return [recipe.head.kind] + [k for k in dict.fromkeys(recipe.eval.compare) if k not in ("bigram", recipe.head.kind)]
+
+
+def _eval(recipe: Recipe, baseline: Path | None = None, **options) -> None:
+    from eval.run import run_eval
+
+    run_eval(recipe, baseline)
+
+
+def _report(recipe: Recipe, baseline: Path | None = None, **options) -> None:
+    from eval.run import eval_dir, rerender
+
+    if options.get("full_run"):  # the eval stage has just written it
+        print(f"mtp-train: done; the report is {_rel(eval_dir(recipe) / 'report.html')} "
+              f"(also report.md and report.json)")
+        return
+    rerender(recipe, baseline)
 
 
 STAGES: tuple[Stage, ...] = (
@@ -52,17 +74,18 @@ STAGES: tuple[Stage, ...] = (
     ),
     Stage(
         "train",
-        lambda r: f"{r.head.kind} head ({r.head.num_layers} layer(s), unroll {r.train.unroll}) "
-        f"-> {_rel(r.output_dir / 'heads' / r.head.kind)}",
+        lambda r: f"{' and '.join(head_kinds(r))} head(s) ({r.head.num_layers} layer(s), unroll {r.train.unroll}) "
+        f"-> {_rel(r.output_dir / 'heads')}",
         _train,
     ),
     Stage(
         "eval",
         lambda r: f"speculative decoding on {', '.join(r.eval.prompt_sets)}, k={r.eval.k}, "
-        f"T={r.eval.temperatures} -> {_rel(r.output_dir / 'eval')}",
-        None,
+        f"T={r.eval.temperatures}" + (f", draft model {_rel(r.eval.draft_model)}" if r.eval.draft_model else "")
+        + f" -> {_rel(r.output_dir / 'eval')}",
+        _eval,
     ),
-    Stage("report", lambda r: f"JSON, Markdown and HTML -> {_rel(r.output_dir / 'report')}", None),
+    Stage("report", lambda r: f"JSON, Markdown and HTML with plots -> {_rel(r.output_dir / 'eval')}", _report),
 )
 # Not part of a full run: exporting is asked for explicitly.
 EXPORT = Stage("export", lambda r: f"{_rel(r.output_dir / 'heads' / r.head.kind)} -> DeepSeek-V3 MTP tensor names", None)

@@ -182,6 +182,18 @@ class EvalConfig(Section):
     )
     max_prompts: PositiveInt = Field(64, description="Prompts used per prompt set.")
     max_new_tokens: PositiveInt = Field(128, description="Tokens generated per prompt.")
+    batch_size: PositiveInt = Field(8, description="Requests decoded concurrently (plain and speculative alike).")
+    draft_model: RecipePath | None = Field(
+        None, description="Evaluate draft-target decoding with this HF checkpoint as the draft, instead of the head."
+    )
+    compare: list[Literal["mtp", "eagle", "bigram"]] = Field(
+        [], description="Other drafts decoded on the same prompts for comparison: head kinds (trained by the "
+        "`train` stage beside `head.kind`) and `bigram`, each token's most frequent successor in the features.",
+    )
+    val_tolerance: NonNegativeFloat = Field(
+        0.02, description="Largest relative gap between the runtime's and the trainer's validation loss (and "
+        "absolute gap in top-1) before the report flags an implementation mismatch.",
+    )
     baseline: RecipePath | None = Field(None, description="A previous `report.json` to compare against.")
 
 

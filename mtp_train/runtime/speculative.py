@@ -168,6 +168,52 @@ class HeadDrafter(Drafter):
         return self.target.output(self.head.lm_head_input(out)).float()
 
 
+class BigramDrafter(Drafter):
+    """The baseline draft: each token's most frequent successor in the training data (no K/V, no network).
+
+    Its distribution is one-hot, a valid draft distribution at any temperature (a token is then accepted
+    with the target's probability of it).
+    """
+
+    name = "bigram"
+
+    def __init__(self, engine: Engine, successor: torch.Tensor) -> None:
+        self.successor = successor.to(engine.device)  # [V] int64
+        super().__init__(engine, 0, engine.model.output.weight.dtype, None)
+
+    @staticmethod
+    def from_tokens(sequences: list[torch.Tensor], vocab_size: int) -> torch.Tensor:
+        """``[V]`` most frequent successor of each token over ``sequences`` (a token never seen maps to itself)."""
+        pairs = torch.cat([seq[:-1].long() * vocab_size + seq[1:].long() for seq in sequences if seq.numel() > 1])
+        ids, counts = torch.unique(pairs, return_counts=True)
+        first, second = ids // vocab_size, ids % vocab_size
+        best = torch.zeros(vocab_size, dtype=counts.dtype).scatter_reduce(0, first, counts, "amax")
+        top = counts == best[first]  # ties go to the smallest token id
+        successor = torch.arange(vocab_size).scatter_reduce(0, first[top], second[top], "amin", include_self=False)
+        return successor
+
+    def kv_config(self):
+        return self.engine.cfg
+
+    def valid(self, seq: Sequence) -> int:
+        return len(seq.tokens)
+
+    def feed(self, seq: Sequence, draft_valid: int, target_start: int, target_hidden: torch.Tensor) -> Feed:
+        return Feed(seq, draft_valid, seq.tokens[draft_valid:])
+
+    def chain_input(self, seq: Sequence, token: int) -> Feed:
+        return Feed(seq, 0, [token])
+
+    def forward(self, feeds: list[Feed]) -> None:
+        if not self.leader:
+            return
+        vocab = self.engine.cfg.vocab_size
+        for f in feeds:
+            logits = torch.full((vocab,), float("-inf"), device=self.engine.device)
+            logits[self.successor[f.tokens[-1]]] = 0.0
+            self.carried[f.seq.request_id] = (logits, logits)
+
+
 @dataclass
 class SpecTimings:
     """Wall time spent drafting (chain and re-sync forwards) and verifying, and the step counts."""
@@ -176,6 +222,7 @@ class SpecTimings:
     verify_s: float = 0.0
     verify_steps: int = 0
     draft_tokens: int = 0  # tokens proposed, summed over sequences and steps
+    draft_forwards: int = 0  # batched draft forwards in decode steps (k - 1 chain steps and one re-sync each)
 
 
 class SpeculativeDecoder:
@@ -230,6 +277,7 @@ class SpeculativeDecoder:
         self.drafter.forward([f for f in feeds if f.seq.status is Status.RUNNING])
         if timed:
             self.timings.draft_s += time.perf_counter() - t0
+            self.timings.draft_forwards += 1
 
     # -- speculative decode steps ------------------------------------------------------------------------
 
@@ -272,6 +320,7 @@ class SpeculativeDecoder:
                     feed.start = drafter.valid(seq) + j
                     feeds.append(feed)
             drafter.forward(feeds)
+            self.timings.draft_forwards += bool(feeds)
         self.timings.draft_s += time.perf_counter() - t0
         return tokens, [torch.stack(p) if p else torch.zeros(0) for p in probs]
 

@@ -19,6 +19,7 @@ import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable, Iterator
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from mtp_train.models.checkpoint import read_layer
 from mtp_train.recipe import Recipe
 from mtp_train.train.checkpoint import (begin_checkpoint, finish_checkpoint, load_checkpoint, load_optimizer_shard,
                                         save_head, save_optimizer_shard)
-from mtp_train.train.data import load_batch, plan_batches
+from mtp_train.train.data import Batch, load_batch, plan_batches
 from mtp_train.train.loss import LossWeights, head_loss, simulated_tau
 from precompute.manifest import text_fingerprint
 from precompute.reader import FeatureReader
@@ -82,25 +83,34 @@ def _lr_lambda(warmup: int, total: int):
     return f
 
 
-def _weights(recipe: Recipe) -> LossWeights:
+def loss_weights(recipe: Recipe) -> LossWeights:
     t = recipe.train
     return LossWeights(t.w_hidden, t.w_logits, t.unroll, t.unroll_decay, t.teacher)
 
 
-@torch.no_grad()
-def validate(head, frozen, reader: FeatureReader, recipe: Recipe) -> dict[str, Any]:
-    """Teacher-forced loss and top-1 accuracy per unrolled step on the held-out sequences."""
-    head.eval()
+def heldout_batches(reader: FeatureReader, batch_tokens: int) -> Iterator[Batch]:
+    """The held-out sequences, 16 per batch, in stored order."""
     refs = reader.heldout
-    sums = [[0.0, 0, 0] for _ in range(recipe.train.unroll)]  # loss*count, correct, count
     for i in range(0, len(refs), 16):
-        batch = load_batch(reader, refs[i : i + 16], recipe.train.batch_tokens, torch.float32)
-        _, metrics = head_loss(head, frozen, batch, _weights(recipe))
+        yield load_batch(reader, refs[i : i + 16], batch_tokens, torch.float32)
+
+
+@torch.no_grad()
+def validate(head, frozen, batches: Iterable[Batch], weights: LossWeights, forward=None) -> dict[str, Any]:
+    """Teacher-forced loss and top-1 accuracy per unrolled step over ``batches``.
+
+    ``forward`` replaces the head's own forward (the eval passes the runtime's paged implementation).
+    """
+    was_training = head.training
+    head.eval()
+    sums = [[0.0, 0, 0] for _ in range(weights.unroll)]  # loss*count, correct, count
+    for batch in batches:
+        _, metrics = head_loss(head, frozen, batch, weights, forward=forward)
         for s, m in zip(sums, metrics):
             s[0] += float(m.loss) * m.count
             s[1] += m.correct
             s[2] += m.count
-    head.train()
+    head.train(was_training)
     acc = [c / n if n else 0.0 for _, c, n in sums]
     return {
         "val_loss": [round(l / n, 5) if n else None for l, _, n in sums],
@@ -164,7 +174,7 @@ def run_train(recipe: Recipe) -> Path:
             kept = [line for line in log_path.read_text().splitlines() if json.loads(line)["step"] <= step]
             log_path.write_text("".join(line + "\n" for line in kept))
     run = _wandb(recipe, accelerator.is_main_process)
-    weights = _weights(recipe)
+    weights = loss_weights(recipe)
     if accelerator.is_main_process:
         print(f"train: {spec.kind} head, {sum(p.numel() for p in head.parameters()):,} parameters, "
               f"{len(reader.train)} train / {len(reader.heldout)} held-out sequences, {world} process(es), "
@@ -212,7 +222,7 @@ def run_train(recipe: Recipe) -> Path:
         record: dict[str, Any] = {"step": step, "loss": round(mean_loss, 6), "lr": scheduler.get_last_lr()[0],
                                   "top1": [round(c / n, 4) if n else None for c, n in step_metrics]}
         if step % t.val_every == 0 or step == total:
-            record.update(validate(accelerator.unwrap_model(model), frozen, reader, recipe))
+            record.update(validate(accelerator.unwrap_model(model), frozen, heldout_batches(reader, t.batch_tokens), weights))
         if accelerator.is_main_process:
             _log(log_path, record)
             if run is not None:
@@ -240,7 +250,7 @@ def run_train(recipe: Recipe) -> Path:
     digests = accelerator.gather(torch.tensor(list(digest), dtype=torch.int64, device=accelerator.device))
     rank_digests = [bytes(d.tolist()).hex() for d in digests.view(world, -1).cpu()]
     if accelerator.is_main_process:
-        final = validate(accelerator.unwrap_model(model), frozen, reader, recipe)
+        final = validate(accelerator.unwrap_model(model), frozen, heldout_batches(reader, t.batch_tokens), weights)
         save_head(out, accelerator.unwrap_model(model), {"training_fingerprint": train_key, "steps": step,
                                                         "validation": final, "rank_weight_sha256": rank_digests})
         print(f"train: {spec.kind} head -> {out}; held-out top-1 per step {final['val_top1']}, simulated tau "

@@ -1,0 +1,337 @@
+"""Stage 3: speculative decoding with the trained head (or a draft model) and the release report.
+
+Read top to bottom: load the target into the runtime and the draft beside it -> the prompt sets ->
+for each temperature, plain decoding through the runtime (the reference and the timing baseline) ->
+for each k, speculative decoding of the same prompts (traces, wall time, lossless check at T = 0) ->
+validation through the runtime -> ``report.json``, ``report.md``, ``report.html`` in ``OUTPUT_DIR/eval``.
+
+Conventions: tau counts the tokens emitted per target verification step, bonus token included (plain
+decoding has tau = 1); the prefill step's token is not a verification step. The draft cost ratio c is the
+mean wall time of one batched draft forward in decode steps over that of one plain decode step, both in this
+runtime at the same batch size. The headline is the lowest-temperature sweep point with the highest
+expected speedup tau / (1 + k c).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eval.metrics import RequestTrace, alpha, distinct2, expected_speedup, group_by, pooled_tau
+from eval.prompts import EvalPrompt, load_prompt_set, render_prompt
+from eval.report import FILES, Comparison, Group, Report, SweepPoint, load_report, write_report
+from mtp_train.errors import UserError
+from mtp_train.recipe import Recipe
+from mtp_train.runtime.engine import Engine, GenerationResult
+from mtp_train.runtime.sampling import SamplingParams
+from mtp_train.runtime.speculative import Drafter, SpeculativeDecoder
+from precompute.manifest import target_fingerprint, text_fingerprint
+
+
+def eval_dir(recipe: Recipe) -> Path:
+    return recipe.output_dir / "eval"
+
+
+def _fingerprint(recipe: Recipe, draft_id: str) -> str:
+    return text_fingerprint(json.dumps({"eval": recipe.eval.model_dump(mode="json"), "seed": recipe.seed,
+                                        "draft": draft_id, "target": target_fingerprint(recipe.target.path),
+                                        "dtype": recipe.target.dtype}, sort_keys=True))
+
+
+def _draft_id(recipe: Recipe) -> str:
+    if recipe.eval.draft_model is not None:
+        return "draft_model:" + target_fingerprint(recipe.eval.draft_model)
+    from mtp_train.train.trainer import head_dir
+
+    weights = head_dir(recipe) / "model.safetensors"
+    if not weights.is_file():
+        raise UserError(f"{head_dir(recipe)}: no trained head; run `mtp-train train` first")
+    return "head:" + text_fingerprint((head_dir(recipe) / "config.json").read_text()) + str(weights.stat().st_size)
+
+
+def run_eval(recipe: Recipe, baseline: Path | None = None) -> Path:
+    """Evaluate, write the report, and return the report directory; skipped when it is complete and matches."""
+    out = eval_dir(recipe)
+    draft_id = _draft_id(recipe)
+    key = _fingerprint(recipe, draft_id)
+    done = out / FILES["json"]
+    if done.is_file():
+        try:
+            old = load_report(done)
+        except UserError:
+            old = None
+        if old is not None and old.settings.get("fingerprint") == key:
+            print(f"eval: {out} is complete and matches the recipe; skipped", file=sys.stderr)
+            if baseline is not None:
+                write_report(old, out, baseline)
+            return out
+    start = time.perf_counter()
+    torch.manual_seed(recipe.seed)
+    engine, drafter, mode, head_validation = _load(recipe)
+    prompts, token_ids, skipped = _prompts(recipe, engine)
+    e = recipe.eval
+    print(f"eval: {mode}, {len(prompts)} prompts from {', '.join(e.prompt_sets)}, k={e.k}, T={e.temperatures}, "
+          f"batch {e.batch_size}", file=sys.stderr)
+    plain = {}
+    for temperature in e.temperatures:
+        params = [SamplingParams(temperature=temperature, max_new_tokens=e.max_new_tokens,
+                                 seed=recipe.seed * 1_000_003 + i) for i in range(len(prompts))]
+        plain[temperature] = (params, *_plain(engine, token_ids, params))
+    mismatches: list[str] = []  # first mismatch of each sweep point that was not lossless
+    sweep = _sweep(mode, engine, drafter, prompts, token_ids, plain, e.k, mismatches)
+    comparisons = []
+    coolest = {min(e.temperatures): plain[min(e.temperatures)]}
+    for name in e.compare:
+        other = _other_drafter(recipe, engine, name)
+        points = _sweep(name, engine, other, prompts, token_ids, coolest, e.k, mismatches)
+        comparisons.append(Comparison(name=name, sweep=points))
+    lossless = not mismatches
+    detail = "; ".join(mismatches[:3]) or None
+    validation = head_validation() if head_validation else None
+    report = _report(recipe, mode, sweep, lossless, detail, validation, key, skipped, len(prompts))
+    report.comparisons = comparisons
+    paths = write_report(report, out, baseline if baseline is not None else recipe.eval.baseline)
+    print(f"eval: report -> {paths['html']} ({time.perf_counter() - start:.0f}s)", file=sys.stderr)
+    return out
+
+
+def rerender(recipe: Recipe, baseline: Path | None = None) -> Path:
+    """``mtp-train report``: write report.md/html again from report.json, with a baseline if given."""
+    path = eval_dir(recipe) / FILES["json"]
+    if not path.is_file():
+        raise UserError(f"{path} not found; run `mtp-train eval` first")
+    paths = write_report(load_report(path), path.parent, baseline if baseline is not None else recipe.eval.baseline)
+    print(f"report: {paths['html']}", file=sys.stderr)
+    return path.parent
+
+
+# -- loading -----------------------------------------------------------------------------------------------
+
+
+def _load(recipe: Recipe) -> tuple[Engine, Drafter, str, Any]:
+    from mtp_train.models.checkpoint import load_transformer
+    from mtp_train.runtime.device import default_device, resolve_dtype
+    from mtp_train.runtime.speculative import DraftModelDrafter, HeadDrafter
+
+    device = default_device()
+    dtype = resolve_dtype(recipe.target.dtype, device)
+    engine = Engine.from_pretrained(recipe.target.path, dtype=dtype, device=device, max_seqs=recipe.eval.batch_size)
+    if recipe.eval.draft_model is not None:
+        draft = load_transformer(recipe.eval.draft_model, dtype=dtype, device=device)
+        return engine, DraftModelDrafter(engine, draft), "draft_target", None
+
+    from mtp_train.train.checkpoint import load_head
+    from mtp_train.train.trainer import head_dir, loss_weights
+    from precompute.reader import FeatureReader
+
+    root = head_dir(recipe)
+    head = load_head(root, engine.cfg)
+    if head.spec.target_fingerprint != target_fingerprint(recipe.target.path):
+        raise UserError(f"{root / 'config.json'}: the head was trained for a different target than {recipe.target.path}")
+    drafter = HeadDrafter(engine, head)
+    trainer_numbers = json.loads((root / "config.json").read_text()).get("validation", {})
+
+    def head_validation() -> dict[str, Any]:
+        from eval.validation import runtime_validation
+
+        reader = FeatureReader(recipe.features_dir, target=recipe.target.path)
+        ours = runtime_validation(engine, drafter, reader, loss_weights(recipe))
+        return {"runtime": ours, "trainer": trainer_numbers}
+
+    return engine, drafter, head.spec.kind, head_validation
+
+
+def _prompts(recipe: Recipe, engine: Engine) -> tuple[list[EvalPrompt], list[list[int]], int]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(recipe.target.path, trust_remote_code=recipe.target.trust_remote_code)
+    e = recipe.eval
+    prompts: list[EvalPrompt] = []
+    for name in e.prompt_sets:
+        kwargs: dict[str, Any] = {}
+        if name == "heldout":
+            kwargs = _heldout(recipe)
+        prompts += load_prompt_set(name, max_prompts=e.max_prompts, seed=recipe.seed, **kwargs)
+    room = engine.cfg.max_positions - e.max_new_tokens - max(e.k) - 2
+    kept, ids, skipped = [], [], 0
+    for p in prompts:
+        tokens = render_prompt(tokenizer, p.messages)
+        if len(tokens) > room:  # would not fit the target's positions with the answer
+            skipped += 1
+            continue
+        kept.append(p)
+        ids.append(tokens)
+    if not kept:
+        raise UserError(f"eval.prompt_sets: no prompt fits the target's {engine.cfg.max_positions} positions with "
+                        f"eval.max_new_tokens={e.max_new_tokens}")
+    return kept, ids, skipped
+
+
+def _heldout(recipe: Recipe) -> dict[str, Any]:
+    """The rows training never saw: the manifest's held-out ids, read from the recipe's data."""
+    from precompute.dataset import load_rows
+    from precompute.manifest import load_manifest
+
+    manifest_file = recipe.features_dir / "manifest.json"
+    if not manifest_file.is_file():
+        raise UserError(f"{manifest_file} not found; the `heldout` prompt set needs `mtp-train precompute` first")
+    ids = load_manifest(manifest_file).heldout_row_ids
+    if not ids:
+        raise UserError("eval.prompt_sets: `heldout` needs data.heldout_rows > 0 at precompute time")
+    wanted = set(ids)
+    d = recipe.data
+    rows = [r for r in load_rows(d.train, d.format, d.skip_bad_rows, d.max_rows).rows if r.row_id in wanted]
+    return {"heldout_rows": rows, "heldout_ids": ids}
+
+
+def _other_drafter(recipe: Recipe, engine: Engine, name: str) -> Drafter:
+    """A comparison draft: another trained head kind, or the bigram baseline from the training features."""
+    from mtp_train.runtime.speculative import BigramDrafter, HeadDrafter
+    from precompute.reader import FeatureReader
+
+    if name == "bigram":
+        reader = FeatureReader(recipe.features_dir, target=recipe.target.path)
+        tokens = [reader.load(ref)["input_ids"] for ref in reader.train]
+        return BigramDrafter(engine, BigramDrafter.from_tokens(tokens, engine.cfg.vocab_size))
+    from mtp_train.train.checkpoint import load_head
+
+    root = recipe.output_dir / "heads" / name
+    if not (root / "model.safetensors").is_file():
+        raise UserError(f"eval.compare: no trained {name!r} head in {root}; run `mtp-train train` with it first")
+    return HeadDrafter(engine, load_head(root, engine.cfg))
+
+
+# -- decoding ----------------------------------------------------------------------------------------------
+
+def _sweep(name: str, engine: Engine, drafter: Drafter, prompts, token_ids, plain: dict, ks: list[int],
+           mismatches: list[str]) -> list[SweepPoint]:
+    """Speculative decoding at every k and each temperature of ``plain`` (its params, results, time, steps).
+    Each temperature-0 point that is not token-identical to plain decoding adds its first mismatch."""
+    points = []
+    for temperature, (params, reference, plain_s, plain_steps) in plain.items():
+        for k in ks:
+            decoder = SpeculativeDecoder(engine, drafter, k)
+            t0 = time.perf_counter()
+            results = decoder.generate(token_ids, params)
+            spec_s = time.perf_counter() - t0
+            same = None
+            if temperature == 0:
+                same, why = _compare(reference, results, prompts)
+                if not same:
+                    mismatches.append(f"{name}, k={k}: {why}")
+            t = decoder.timings
+            c = (t.draft_s / max(1, t.draft_forwards)) / (plain_s / max(1, plain_steps))
+            point = _sweep_point(k, temperature, prompts, token_ids, results, c, plain_s / spec_s, same)
+            points.append(point)
+            print(f"eval: {name} k={k} T={temperature:g}: tau {point.tau:.3f}, alpha "
+                  f"{[round(a, 3) for a in point.alpha]}, c {c:.3f}, expected x{point.expected_speedup:.2f}, "
+                  f"measured x{point.measured_speedup:.2f}" + ("" if same is None else f", lossless {same}"),
+                  file=sys.stderr)
+    return points
+
+
+
+def _plain(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]):
+    """Plain decoding through the runtime: results, wall time and the number of batched steps."""
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        scheduler, seqs = engine.start(prompts, params)
+        steps = 0
+        while not scheduler.done:
+            engine.step(scheduler)
+            steps += 1
+        elapsed = time.perf_counter() - t0
+    return [GenerationResult(s.output, s.stats) for s in seqs], elapsed, steps
+
+
+def _compare(plain: list[GenerationResult], spec: list[GenerationResult], prompts: list[EvalPrompt]):
+    for p, a, b in zip(prompts, plain, spec):
+        if a.tokens != b.tokens:
+            i = next((j for j, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y), min(len(a.tokens), len(b.tokens)))
+            return False, (f"{p.prompt_id}: first mismatch at generated token {i}: plain {a.tokens[i:i + 5]} "
+                           f"vs speculative {b.tokens[i:i + 5]}")
+    return True, None
+
+
+def _traces(prompts, token_ids, results) -> list[RequestTrace]:
+    return [RequestTrace(p.prompt_id, p.category, len(ids), r.stats.accepted, r.stats.emitted, r.tokens)
+            for p, ids, r in zip(prompts, token_ids, results)]
+
+
+def _group(traces: list[RequestTrace], k: int) -> Group:
+    return Group(num_prompts=len(traces), tau=round(pooled_tau(traces), 4),
+                 alpha=[round(a, 4) for a in alpha(traces, k)[0]], distinct2=round(distinct2(t.output for t in traces), 4))
+
+
+def _sweep_point(k, temperature, prompts, token_ids, results, c, measured, lossless) -> SweepPoint:
+    traces = _traces(prompts, token_ids, results)
+    tau = pooled_tau(traces)
+    cond, uncond = alpha(traces, k)
+    return SweepPoint(
+        k=k, temperature=temperature, tau=round(tau, 4), alpha=[round(a, 4) for a in cond],
+        alpha_unconditional=[round(a, 4) for a in uncond], draft_cost_ratio=round(c, 4),
+        expected_speedup=round(expected_speedup(tau, k, c), 4), measured_speedup=round(measured, 4),
+        distinct2=round(distinct2(t.output for t in traces), 4), lossless=lossless, num_prompts=len(traces),
+        num_steps=sum(len(t.accepted) for t in traces), generated_tokens=sum(len(t.output) for t in traces),
+        by_category={name: _group(g, k) for name, g in group_by(traces, "category").items()},
+        by_length={name: _group(g, k) for name, g in group_by(traces, "length_bucket").items()},
+    )
+
+
+# -- the report --------------------------------------------------------------------------------------------
+
+
+def _report(recipe: Recipe, mode: str, sweep: list[SweepPoint], lossless: bool, detail: str | None,
+            validation: dict | None, key: str, skipped: int, num_prompts: int) -> Report:
+    coolest = min(p.temperature for p in sweep)
+    head = max((p for p in sweep if p.temperature == coolest), key=lambda p: p.expected_speedup)
+    val_loss, val_acc, trainer_loss, trainer_acc, mismatch = [], [], None, None, False
+    tol = recipe.eval.val_tolerance
+    if validation:
+        ours, theirs = validation["runtime"], validation["trainer"]
+        val_loss = [x for x in ours["val_loss"] if x is not None]
+        val_acc = ours["val_top1"]
+        trainer_loss, trainer_acc = theirs.get("val_loss"), theirs.get("val_top1")
+        if trainer_loss and trainer_acc:
+            mismatch = any(abs(a - b) > tol * abs(b) for a, b in zip(val_loss, trainer_loss) if b is not None) or any(
+                abs(a - b) > tol for a, b in zip(val_acc, trainer_acc))
+    return Report(
+        tau=head.tau, alpha=head.alpha, alpha_unconditional=head.alpha_unconditional, k=head.k,
+        temperature=head.temperature, lossless=lossless, lossless_detail=detail,
+        draft_cost_ratio=head.draft_cost_ratio, expected_speedup=head.expected_speedup,
+        measured_speedup=head.measured_speedup, distinct2=head.distinct2, by_category=head.by_category,
+        by_length=head.by_length, val_loss=val_loss, val_acc=val_acc, trainer_val_loss=trainer_loss,
+        trainer_val_acc=trainer_acc, val_tolerance=tol, val_mismatch=mismatch, sweep=sweep, mode=mode,
+        settings={"fingerprint": key, "target": str(recipe.target.path), "dtype": recipe.target.dtype,
+                  "draft": str(recipe.eval.draft_model) if recipe.eval.draft_model else f"{mode} head",
+                  "eval": recipe.eval.model_dump(mode="json"), "seed": recipe.seed, "num_prompts": num_prompts,
+                  "prompts_skipped_too_long": skipped,
+                  "tau_convention": "tokens emitted per target verification step, bonus token included",
+                  "headline": "lowest temperature, highest expected speedup"},
+        versions=_versions(), device=_device(), created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    )
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for name in ("mtp-train", "torch", "transformers", "safetensors"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def _device() -> str:
+    if torch.cuda.is_available():
+        return f"cuda: {torch.cuda.get_device_name()}"
+    return f"cpu: {platform.machine()}, {torch.get_num_threads()} threads"

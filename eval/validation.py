@@ -1,0 +1,76 @@
+"""Inference-validated validation: the trainer's metrics, computed by the runtime's target and head.
+
+The held-out sequences of the features are scored again by the runtime's target (``Engine.score``: fp32
+hidden states and top-K, where the trainer read the stored bf16 features), and the head runs through the
+runtime's paged-KV attention (``DraftHead.run`` with a step plan, as in speculative decoding) instead of
+the trainer's document-causal attention. The loss and the top-1 accuracy per unrolled step are then
+aggregated by the trainer's own ``validate`` and compared with what the trainer reported for the same rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from mtp_train.heads.frozen import FrozenTarget
+from mtp_train.runtime.batch import build_batch
+from mtp_train.runtime.engine import Engine
+from mtp_train.runtime.kv_cache import PageTable
+from mtp_train.runtime.speculative import HeadDrafter
+from mtp_train.train.data import Batch
+from mtp_train.train.loss import LossWeights
+from mtp_train.train.trainer import validate
+from precompute.reader import FeatureReader
+
+
+def runtime_frozen(engine: Engine) -> FrozenTarget:
+    """The frozen parts as the runtime holds them (its embedding, final norm and lm_head)."""
+    m = engine.model
+    return FrozenTarget(engine.cfg, m.tok_embeddings.weight, m.norm.weight, m.output.weight)
+
+
+def runtime_batches(engine: Engine, reader: FeatureReader) -> Iterator[Batch]:
+    """The held-out sequences (16 per batch, as the trainer groups them), re-scored by the runtime's target."""
+    refs = reader.heldout
+    topk = reader.manifest.topk
+    for i in range(0, len(refs), 16):
+        parts = [reader.load(r) for r in refs[i : i + 16]]
+        seqs = [p["input_ids"].long().tolist() for p in parts]
+        out = engine.score(seqs, layers=[-1], topk=topk)
+        yield Batch(
+            tokens=torch.cat([p["input_ids"].long() for p in parts]),
+            hidden=out.hidden[:, 0].float(),
+            loss_mask=torch.cat([p["loss_mask"].bool() for p in parts]),
+            topk_logprobs=out.topk_logprobs.float(),
+            topk_ids=out.topk_ids.long(),
+            cu_seqlens=out.cu_seqlens.tolist(),
+        )
+
+
+def paged_forward(drafter: HeadDrafter):
+    """The head's forward over packed documents through the runtime's paged K/V and attention backend."""
+    alloc = drafter.allocator
+
+    def forward(embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cu: list[int]) -> torch.Tensor:
+        lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
+        tables = [PageTable() for _ in lengths]
+        try:
+            for table, n in zip(tables, lengths):
+                alloc.reserve(table, n)
+            meta = build_batch([[0] * n for n in lengths], [0] * len(lengths), [t.pages for t in tables],
+                               alloc.page_size, embeds.device)
+            plan = drafter.backend.plan(meta, *drafter.heads)
+            return drafter.head.run(embeds, hidden, positions, plan, drafter.kv.layers)
+        finally:
+            for table in tables:
+                alloc.free(table)
+
+    return forward
+
+
+@torch.inference_mode()
+def runtime_validation(engine: Engine, drafter: HeadDrafter, reader: FeatureReader, weights: LossWeights) -> dict:
+    """``{"val_loss": [...], "val_top1": [...], ...}`` per unrolled step, by the runtime's implementations."""
+    return validate(drafter.head, runtime_frozen(engine), runtime_batches(engine, reader), weights,
+                    forward=paged_forward(drafter))

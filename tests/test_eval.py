@@ -1,0 +1,103 @@
+"""The eval stage: a lossless report with validation through the runtime, baselines, draft-target, errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from conftest import run_cli
+from hf_models import save_random_model
+
+pytestmark = pytest.mark.slow
+
+
+def report(recipe):
+    return json.loads((recipe.parent / "run" / "eval" / "report.json").read_text())
+
+
+def test_eval_writes_a_lossless_report_whose_validation_matches_the_trainer(trained_run):
+    proc = run_cli("eval", trained_run, "eval.compare=[bigram]", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = report(trained_run)
+    for key in ("tau", "alpha", "k", "temperature", "lossless", "val_loss", "val_acc", "draft_cost_ratio",
+                "expected_speedup", "measured_speedup", "distinct2", "by_category", "settings", "versions"):
+        assert key in r
+    assert r["lossless"] is True and r["mode"] == "mtp"
+    assert [p["k"] for p in r["sweep"]] == [1, 2] and all(p["lossless"] for p in r["sweep"])
+    assert r["tau"] > 1.0, "a trained head gets some drafts accepted"
+    # The runtime's validation (its target and paged head) against the trainer's numbers on the same rows.
+    assert not r["val_mismatch"]
+    for ours, theirs in zip(r["val_loss"], r["trainer_val_loss"]):
+        assert ours == pytest.approx(theirs, rel=0.01)
+    for ours, theirs in zip(r["val_acc"], r["trainer_val_acc"]):
+        assert ours == pytest.approx(theirs, abs=0.01)
+    assert [c["name"] for c in r["comparisons"]] == ["bigram"]
+    html = (trained_run.parent / "run" / "eval" / "report.html").read_text()
+    assert html.count("data:image/png;base64,") == 4
+    # A second run finds the report complete and skips.
+    again = run_cli("eval", trained_run, "eval.compare=[bigram]", timeout=600)
+    assert again.returncode == 0 and "skipped" in again.stderr
+
+
+def test_report_with_a_baseline_flags_a_regression(trained_run, tmp_path):
+    if not (trained_run.parent / "run" / "eval" / "report.json").is_file():
+        assert run_cli("eval", trained_run, timeout=600).returncode == 0
+    old = report(trained_run)
+    old["tau"] *= 1.5  # the previous release looked better
+    baseline = tmp_path / "old.json"
+    baseline.write_text(json.dumps(old))
+    proc = run_cli("report", trained_run, "--baseline", baseline)
+    assert proc.returncode == 0, proc.stderr
+    r = report(trained_run)
+    assert any("tau" in line for line in r["baseline"]["regressions"])
+    assert "REGRESSION" in (trained_run.parent / "run" / "eval" / "report.md").read_text()
+    baseline.write_text("{not json")
+    bad = run_cli("report", trained_run, "--baseline", baseline)
+    assert bad.returncode == 2 and "old.json" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_runtime_validation_equals_the_trainer_module(trained_run):
+    """Same held-out rows: the trainer's validate() on stored features vs the runtime's target and paged head."""
+    from eval.validation import runtime_validation
+    from mtp_train.heads.frozen import FrozenTarget
+    from mtp_train.recipe import load_recipe
+    from mtp_train.runtime.engine import Engine
+    from mtp_train.runtime.speculative import HeadDrafter
+    from mtp_train.train.checkpoint import load_head
+    from mtp_train.train.trainer import heldout_batches, loss_weights, validate
+    from precompute.reader import FeatureReader
+
+    recipe = load_recipe(trained_run)
+    reader = FeatureReader(recipe.features_dir, target=recipe.target.path)
+    head = load_head(recipe.output_dir / "heads" / "mtp")
+    weights = loss_weights(recipe)
+    with torch.no_grad():
+        trainer = validate(head, FrozenTarget.load(recipe.target.path), heldout_batches(reader, 2048), weights)
+    engine = Engine.from_pretrained(recipe.target.path)
+    runtime = runtime_validation(engine, HeadDrafter(engine, head), reader, weights)
+    assert runtime["val_tokens"] == trainer["val_tokens"] > 0
+    for a, b in zip(runtime["val_loss"], trainer["val_loss"]):
+        assert a == pytest.approx(b, rel=0.01)  # bf16 stored features vs the runtime's fp32 hidden states
+    for a, b in zip(runtime["val_top1"], trainer["val_top1"]):
+        assert a == pytest.approx(b, abs=0.01)
+
+
+def test_draft_target_eval_with_a_draft_model(trained_run, tmp_path):
+    draft = tmp_path / "draft"
+    save_random_model("qwen2", draft, vocab_size=4096, hidden_size=64, num_hidden_layers=1, max_position_embeddings=2048)
+    run = tmp_path / "run"
+    shutil.copytree(trained_run.parent / "run" / "features", run / "features")
+    proc = run_cli("eval", trained_run, f"eval.draft_model={draft}", f"output_dir={run}", "eval.k=[2]", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads((run / "eval" / "report.json").read_text())
+    assert r["mode"] == "draft_target" and r["lossless"] is True
+    assert r["val_loss"] == [] and not r["val_mismatch"]
+
+
+def test_eval_without_a_trained_head_is_a_one_line_error(trained_run, tmp_path):
+    proc = run_cli("eval", trained_run, f"output_dir={tmp_path / 'empty'}")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "no trained head" in proc.stderr.strip().splitlines()[-1]
