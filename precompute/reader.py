@@ -1,10 +1,15 @@
-"""Read features back: memory-mapped shards, one sequence at a time, refused if from another target."""
+"""Read features back: one sequence at a time (memory-mapped) or a whole batch's rows at once (positioned reads),
+refused if from another target."""
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import struct
+import threading
 import warnings
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +37,8 @@ class FeatureReader:
 
     ``load(ref)`` returns that sequence's tensors: ``input_ids [n]`` int32, ``loss_mask [n]`` uint8,
     ``hidden [n, L, H]`` bf16, ``logsumexp [n]`` float32 and, when K > 0, ``topk_logprobs [n, K]``
-    bf16 and ``topk_ids [n, K]`` int32.
+    bf16 and ``topk_ids [n, K]`` int32. ``read_rows`` reads many sequences' rows of several tensors, each
+    packed into one buffer (the trainer's batches); it is safe to call from several threads at once.
     """
 
     def __init__(self, root: Path, target: Path | None = None) -> None:
@@ -44,6 +50,9 @@ class FeatureReader:
             raise UserError(f"{self.root}: features were computed from a different target than {target}")
         self.sequences: list[SequenceRef] = []
         self._files: dict[str, MappedShard] = {}
+        self._fds: dict[str, ShardFile] = {}
+        self._lock = threading.Lock()
+        self._layout: dict[str, tuple[torch.dtype, tuple[int, ...]]] | None = None  # the first opened shard's
         for entry in self.manifest.shards:
             with safe_open(self.root / entry.file, framework="pt") as f:
                 cu = f.get_tensor("cu_seqlens").tolist()
@@ -66,9 +75,108 @@ class FeatureReader:
             names += ["topk_logprobs", "topk_ids"]
         return {name: f.rows(name, ref.start, ref.stop) for name in names}
 
+    def _file(self, shard: str) -> ShardFile:
+        f = self._fds.get(shard)
+        if f is None:
+            with self._lock:  # the trainer's prefetch thread and validation may open shards at once
+                f = self._fds.get(shard)
+                if f is None:
+                    f = ShardFile(self.root / shard)
+                    layout = {k: (dtype, tuple(shape[1:])) for k, (dtype, shape, _) in f.meta.items()}
+                    if self._layout is None:
+                        self._layout = layout
+                    for k, v in self._layout.items():  # cu_seqlens has one row per sequence, not per token
+                        if k != "cu_seqlens" and layout.get(k) != v:
+                            raise UserError(f"{f.path}: {k} is {layout.get(k)}, other shards have {v}")
+                    self._fds[shard] = f
+        return f
 
+    def row_layout(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        """Stored dtype and per-token row shape of tensor ``name`` (the same in every shard)."""
+        if self._layout is None:
+            self._file(self.manifest.shards[0].file)
+        return self._layout[name]
+
+    def read_rows(self, refs: list[SequenceRef], lengths: list[int], out: dict[str, np.ndarray]) -> None:
+        """For each tensor ``name`` in ``out``: rows ``[ref.start, ref.start + n)`` of every ref, n its length,
+        packed back to back into ``out[name]`` (a buffer of exactly ``sum(lengths)`` rows' bytes), with one
+        positioned read per sequence and tensor.
+
+        Ranges are read in file order. What the page cache holds is read first without waiting (``RWF_NOWAIT``);
+        every range that missed is then announced to the kernel at once (``POSIX_FADV_WILLNEED``), so that its
+        disk reads are queued together rather than one after the other, and read.
+        """
+        views, row_bytes = {}, {}
+        for name, buf in out.items():
+            dtype, row = self.row_layout(name)
+            row_bytes[name] = dtype.itemsize * math.prod(row)
+            views[name] = memoryview(buf).cast("B")
+            if views[name].nbytes != row_bytes[name] * sum(lengths):
+                raise ValueError(f"read_rows: {name} buffer holds {views[name].nbytes} bytes, "
+                                 f"the rows need {row_bytes[name] * sum(lengths)}")
+        jobs, pos = [], 0
+        for ref, n in zip(refs, lengths):
+            if not 0 <= n <= ref.stop - ref.start:
+                raise ValueError(f"read_rows: {n} rows asked of a {ref.stop - ref.start}-row sequence")
+            f = self._file(ref.shard)
+            for name, rb in row_bytes.items():
+                if n:
+                    jobs.append((f.fd, f.meta[name][2] + ref.start * rb, n * rb, f, views[name], pos * rb))
+            pos += n
+        jobs.sort(key=lambda j: j[:2])
+        missed = jobs
+        if _NOWAIT is not None:  # first take what the page cache holds, without waiting for the disk
+            missed = []
+            for fd, offset, size, f, view, at in jobs:
+                try:
+                    got = os.preadv(fd, [view[at : at + size]], offset, _NOWAIT)
+                except OSError:  # EAGAIN, or a file system without RWF_NOWAIT: the blocking read below decides
+                    got = 0
+                if got < size:
+                    missed.append((fd, offset + got, size - got, f, view, at + got))
+        if _WILLNEED is not None:  # queue every missing range at once, so the disk sees them together
+            for fd, offset, size, *_ in missed:
+                os.posix_fadvise(fd, offset, size, _WILLNEED)
+        for fd, offset, size, f, view, at in missed:
+            f.read_into(view[at : at + size], offset)
+
+
+_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
+_NOWAIT = getattr(os, "RWF_NOWAIT", None)
 _DTYPES = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16, "I32": torch.int32,
            "I64": torch.int64, "U8": torch.uint8}
+
+
+def _read_header(path: Path) -> tuple[dict[str, tuple[torch.dtype, list[int], int]], int]:
+    """Each tensor's (dtype, shape, byte offset in the data section), and where the data section starts."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return {k: (_DTYPES[v["dtype"]], v["shape"], v["data_offsets"][0]) for k, v in header.items()}, 8 + n
+
+
+class ShardFile:
+    """An open safetensors file read with ``os.preadv`` (no file position, so threads and forks share it).
+
+    ``meta[name]`` is (dtype, shape, absolute byte offset of the tensor's data). The descriptor closes when the
+    object is collected.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+        meta, data = _read_header(path)
+        self.meta = {k: (dtype, shape, data + offset) for k, (dtype, shape, offset) in meta.items()}
+        self.fd = os.open(path, os.O_RDONLY)
+        weakref.finalize(self, os.close, self.fd)
+
+    def read_into(self, buf: memoryview, offset: int) -> None:
+        """Fill ``buf`` with the file's bytes from ``offset``; a file that ends early is an error."""
+        while len(buf):
+            n = os.preadv(self.fd, [buf], offset)
+            if n == 0:
+                raise UserError(f"{self.path}: file ends at byte {offset}, before the data its header lists")
+            buf, offset = buf[n:], offset + n
 
 
 class MappedShard:
@@ -76,16 +184,12 @@ class MappedShard:
 
     The header (8-byte little-endian length, then JSON with each tensor's dtype, shape and byte
     offsets) is the safetensors format's own; slicing the mapping directly avoids a per-call
-    round trip through ``safe_open`` on the training hot path.
+    round trip through ``safe_open`` in ``FeatureReader.load``.
     """
 
     def __init__(self, path: Path) -> None:
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-        header.pop("__metadata__", None)
-        self._data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n)
-        self._meta = {k: (_DTYPES[v["dtype"]], v["shape"], v["data_offsets"][0]) for k, v in header.items()}
+        self._meta, data = _read_header(path)
+        self._data = np.memmap(path, dtype=np.uint8, mode="r", offset=data)
 
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         dtype, shape, offset = self._meta[name]

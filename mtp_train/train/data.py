@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
+import math
+import threading
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from precompute.reader import FeatureReader, SequenceRef
@@ -37,22 +41,64 @@ def plan_batches(refs: list[SequenceRef], batch_tokens: int, seed: int, epoch: i
 
 
 def load_batch(reader: FeatureReader, refs: list[SequenceRef], batch_tokens: int, dtype: torch.dtype) -> Batch:
-    """Read and pack ``refs`` (each cut to ``batch_tokens``); the last stored layer is the head's input."""
-    parts = [reader.load(r) for r in refs]
-    cut = [min(int(p["input_ids"].numel()), batch_tokens) for p in parts]
-    cu = [0]
-    for n in cut:
-        cu.append(cu[-1] + n)
+    """Read and pack ``refs`` (each cut to ``batch_tokens``); the last stored layer is the head's input.
 
-    def cat(name: str, fn) -> torch.Tensor:
-        return torch.cat([fn(p[name][:n]) for p, n in zip(parts, cut)])
-
+    Each tensor is read for the whole batch at once (one positioned read per sequence, into a buffer this thread
+    reuses) and converted once into a new tensor, with numpy on this thread only: the trainer's prefetch thread
+    never enters torch's intra-op pool that the training step is using. The result is bit for bit what packing
+    ``reader.load(ref)`` sequence by sequence with torch's conversions gives.
+    """
+    lengths = [min(r.stop - r.start, batch_tokens) for r in refs]
+    cu = [0, *itertools.accumulate(lengths)]
+    n = cu[-1]
     k = reader.manifest.topk
+    names = ["input_ids", "loss_mask", "hidden"] + (["topk_logprobs", "topk_ids"] if k else [])
+    layout = {name: reader.row_layout(name) for name in names}
+    raw = {name: _staging(name, n * stored.itemsize * math.prod(row)) for name, (stored, row) in layout.items()}
+    reader.read_rows(refs, lengths, raw)
+
+    def convert(name: str, to: torch.dtype, last_layer: bool = False) -> torch.Tensor:
+        stored, row = layout[name]
+        src = raw[name].view(_NUMPY[stored]).reshape(n, *row)
+        return _convert(stored, src[:, -1] if last_layer else src, to)
+
     return Batch(
-        tokens=cat("input_ids", lambda t: t.long()),
-        hidden=cat("hidden", lambda t: t[:, -1].to(dtype)),
-        loss_mask=cat("loss_mask", lambda t: t.bool()),
-        topk_logprobs=cat("topk_logprobs", lambda t: t.to(dtype)) if k else torch.zeros(cu[-1], 0),
-        topk_ids=cat("topk_ids", lambda t: t.long()) if k else torch.zeros(cu[-1], 0, dtype=torch.long),
+        tokens=convert("input_ids", torch.long),
+        hidden=convert("hidden", dtype, last_layer=True),
+        loss_mask=convert("loss_mask", torch.bool),
+        topk_logprobs=convert("topk_logprobs", dtype) if k else torch.zeros(n, 0),
+        topk_ids=convert("topk_ids", torch.long) if k else torch.zeros(n, 0, dtype=torch.long),
         cu_seqlens=cu,
     )
+
+
+# Stored dtypes as numpy sees their bytes (numpy has no bfloat16: its bits are a uint16).
+_NUMPY = {torch.bfloat16: np.uint16, torch.float16: np.float16, torch.float32: np.float32, torch.int32: np.int32,
+          torch.int64: np.int64, torch.uint8: np.uint8}
+# Conversions where numpy's cast is exactly torch's (exact widening, nonzero -> True, plain copies).
+_NUMPY_CASTS = {(torch.int32, torch.int64), (torch.uint8, torch.bool), (torch.float16, torch.float32)} | {
+    (t, t) for t in (torch.float16, torch.float32, torch.int32, torch.int64, torch.uint8)}
+_buffers = threading.local()
+
+
+def _staging(name: str, nbytes: int) -> np.ndarray:
+    """This thread's raw read buffer for tensor ``name``: reused across batches, so that reads land in memory that
+    is already paged in (a fresh buffer per batch costs more in page faults than the copy itself)."""
+    bufs = _buffers.__dict__
+    buf = bufs.get(name)
+    if buf is None or buf.nbytes < nbytes:
+        buf = bufs[name] = np.empty(nbytes, np.uint8)
+    return buf[:nbytes]
+
+
+def _convert(stored: torch.dtype, src: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """A new contiguous ``dtype`` tensor holding ``src`` (values of ``stored``), converted as ``Tensor.to`` does."""
+    out = torch.empty(src.shape, dtype=dtype)
+    if stored == torch.bfloat16 and dtype == torch.float32:
+        # bf16 is the top half of an fp32, so widening is a 16-bit shift: the same bits torch produces.
+        np.left_shift(src, 16, out=out.numpy().view(np.uint32), dtype=np.uint32)
+    elif (stored, dtype) in _NUMPY_CASTS:
+        np.copyto(out.numpy(), src, casting="unsafe")
+    else:
+        out.copy_(torch.from_numpy(src).view(stored))
+    return out

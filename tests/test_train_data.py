@@ -1,0 +1,154 @@
+"""The trainer's input pipeline: ``load_batch`` is bit for bit the straightforward per-sequence packing."""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import threading
+
+import pytest
+import torch
+
+from mtp_train.errors import UserError
+from mtp_train.train.data import Batch, load_batch, plan_batches
+from precompute_helpers import make_recipe, sgd_rows, write_jsonl
+
+FIELDS = ("tokens", "hidden", "loss_mask", "topk_logprobs", "topk_ids")
+
+
+def _precompute(tmp, rows, **precompute):
+    from mtp_train.recipe import load_recipe
+    from precompute.run import run_precompute
+
+    data = write_jsonl(tmp / "sgd.jsonl", rows)
+    recipe = make_recipe(tmp, data, data={"heldout_rows": 2, "max_length": 96},
+                         precompute={"shard_tokens": 400, **precompute})
+    run_precompute(load_recipe(recipe))
+    return tmp / "run" / "features"
+
+
+@pytest.fixture(scope="module")
+def features(tmp_path_factory):
+    """Two layers and top-8 (so the head's input is a strided slice), in several shards; and K = 0, one layer."""
+    rows = sgd_rows(14)
+    two_layers = _precompute(tmp_path_factory.mktemp("k8"), rows, layers=[1, -1], topk=8)
+    no_topk = _precompute(tmp_path_factory.mktemp("k0"), rows[:6], layers=[-1], topk=0)
+    return two_layers, no_topk
+
+
+def reference_batch(reader, refs, batch_tokens, dtype) -> Batch:
+    """The straightforward packing: one ``reader.load`` per sequence, torch conversions, ``torch.cat``."""
+    parts = [reader.load(r) for r in refs]
+    cut = [min(int(p["input_ids"].numel()), batch_tokens) for p in parts]
+    cu = [0]
+    for n in cut:
+        cu.append(cu[-1] + n)
+
+    def cat(name, fn):
+        return torch.cat([fn(p[name][:n]) for p, n in zip(parts, cut)])
+
+    k = reader.manifest.topk
+    return Batch(
+        tokens=cat("input_ids", lambda t: t.long()),
+        hidden=cat("hidden", lambda t: t[:, -1].to(dtype)),
+        loss_mask=cat("loss_mask", lambda t: t.bool()),
+        topk_logprobs=cat("topk_logprobs", lambda t: t.to(dtype)) if k else torch.zeros(cu[-1], 0),
+        topk_ids=cat("topk_ids", lambda t: t.long()) if k else torch.zeros(cu[-1], 0, dtype=torch.long),
+        cu_seqlens=cu,
+    )
+
+
+def assert_identical(got: Batch, want: Batch) -> None:
+    assert got.cu_seqlens == want.cu_seqlens and got.num_tokens == want.num_tokens
+    for name in FIELDS:
+        a, b = getattr(got, name), getattr(want, name)
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), name
+        assert a.is_contiguous(), name
+        if a.dtype == torch.bool:
+            assert torch.equal(a, b), name
+        else:  # the same bits, NaNs and signed zeros included
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+
+
+def batches_of(reader, batch_tokens):
+    return [[reader.sequences[i] for i in ids] for ids in plan_batches(reader.sequences, batch_tokens, 3, 0)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch_tokens", [40, 300])
+def test_load_batch_is_bit_identical_to_per_sequence_packing(features, dtype, batch_tokens):
+    from precompute.reader import FeatureReader
+
+    for root in features:
+        reader = FeatureReader(root)
+        assert len(reader.manifest.shards) > 1
+        batches = batches_of(reader, batch_tokens)
+        assert batch_tokens < 100 or any(len({r.shard for r in refs}) > 1 for refs in batches)  # batches mix shards
+        loaded = [load_batch(reader, refs, batch_tokens, dtype) for refs in batches]
+        for refs, got in zip(batches, loaded):  # checked after all were loaded: nothing aliases a reused buffer
+            assert_identical(got, reference_batch(reader, refs, batch_tokens, dtype))
+        # every sequence at once, some cut to batch_tokens, in shard order and reversed
+        for refs in (reader.sequences, reader.sequences[::-1]):
+            assert_identical(load_batch(reader, refs, batch_tokens, dtype),
+                             reference_batch(reader, refs, batch_tokens, dtype))
+
+
+def test_cold_page_cache_and_plain_reads_give_the_same_batches(features, monkeypatch):
+    import precompute.reader as reader_module
+
+    root = features[0]
+    mapped = reader_module.FeatureReader(root)
+    refs = mapped.sequences
+    want = reference_batch(mapped, refs, 300, torch.float32)
+    del mapped  # unmaps the shards: pages a live mapping holds cannot be dropped from the page cache
+    gc.collect()
+    reader = reader_module.FeatureReader(root)
+    load_batch(reader, refs, 300, torch.float32)  # opens every shard (its header read caches small files whole)
+    for shard in root.glob("*.safetensors"):
+        fd = os.open(shard, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    blocking = []
+    read_into = reader_module.ShardFile.read_into
+    monkeypatch.setattr(reader_module.ShardFile, "read_into", lambda f, *a: blocking.append(a) or read_into(f, *a))
+    assert_identical(load_batch(reader, refs, 300, torch.float32), want)
+    assert blocking  # page-cache misses went through the announce-then-read path
+    monkeypatch.setattr(reader_module, "_NOWAIT", None)  # platforms without RWF_NOWAIT / posix_fadvise
+    monkeypatch.setattr(reader_module, "_WILLNEED", None)
+    assert_identical(load_batch(reader_module.FeatureReader(root), refs, 300, torch.float32), want)
+
+
+def test_prefetch_thread_and_validation_can_load_at_once(features):
+    """The trainer loads the next batch on a thread while validation loads on the main one."""
+    from precompute.reader import FeatureReader
+
+    reader = FeatureReader(features[0])
+    batches = batches_of(reader, 60)
+    want = [reference_batch(reader, refs, 60, torch.float32) for refs in batches]
+    got: dict[tuple[int, int], Batch] = {}
+
+    def work(worker):
+        for rep in range(5):
+            for i, refs in enumerate(batches):
+                got[worker, rep * len(batches) + i] = load_batch(reader, refs, 60, torch.float32)
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for (_, i), batch in got.items():
+        assert_identical(batch, want[i % len(batches)])
+
+
+def test_a_truncated_shard_is_an_error_naming_it(features, tmp_path):
+    from precompute.reader import FeatureReader
+
+    root = shutil.copytree(features[0], tmp_path / "features")
+    reader = FeatureReader(root)
+    last = max(reader.sequences, key=lambda r: (r.shard, r.stop))
+    with open(root / last.shard, "r+b") as f:
+        f.truncate(os.path.getsize(root / last.shard) - 100)
+    with pytest.raises(UserError, match=last.shard):
+        load_batch(reader, [last], 10_000, torch.float32)
