@@ -133,12 +133,15 @@ def test_dry_run_still_refuses_bad_input():
     assert_one_line_user_error(run_cli(TINY_RECIPE, "--dry-run", "head.num_layers=0"), "head.num_layers")
 
 
-@pytest.mark.parametrize("stage", ["eval", "report", "export"])
-def test_stages_not_built_say_so_and_exit_nonzero(stage, tmp_path):
-    proc = run_cli(stage, TINY_RECIPE, f"output_dir={tmp_path / 'out'}")
+def test_export_is_not_built_and_says_so(tmp_path):
+    proc = run_cli("export", TINY_RECIPE, f"output_dir={tmp_path / 'out'}")
     assert proc.returncode == 3
     assert "not built yet" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "out").exists(), "a stage that does not exist writes nothing"
+
+
+def test_report_before_eval_is_a_one_line_error(tmp_path):
+    assert_one_line_user_error(run_cli("report", TINY_RECIPE, f"output_dir={tmp_path / 'out'}"), "run `mtp-train eval` first")
 
 
 def test_verify_of_a_missing_directory_is_a_user_error(tmp_path):
@@ -146,16 +149,18 @@ def test_verify_of_a_missing_directory_is_a_user_error(tmp_path):
 
 
 @pytest.mark.slow
-def test_full_run_does_what_exists_then_states_where_it_stops(tmp_path):
+def test_full_run_goes_through_every_stage_then_skips_them(tmp_path):
     args = (TINY_RECIPE, f"output_dir={tmp_path / 'out'}", "data.max_rows=40", "data.heldout_rows=4",
-            "train.max_steps=2", "train.wandb_mode=disabled")
-    proc = run_cli(*args, timeout=300)
+            "train.max_steps=2", "train.wandb_mode=disabled", "eval.k=[1]", "eval.temperatures=[0]",
+            "eval.prompt_sets=[heldout]", "eval.max_prompts=2", "eval.max_new_tokens=8", "eval.compare=[bigram]")
+    proc = run_cli(*args, timeout=600)
     assert proc.returncode == 0, proc.stderr
-    assert "stopped: stage 'eval' is not built yet" in proc.stdout
+    report = tmp_path / "out" / "eval" / "report.html"
+    assert f"the report is {report}" in proc.stdout and report.is_file()
     assert (tmp_path / "out" / "features" / "manifest.json").is_file()
     assert (tmp_path / "out" / "heads" / "mtp" / "model.safetensors").is_file()
-    again = run_cli(*args, timeout=300)
-    assert again.returncode == 0 and "skipped" in again.stderr and again.stderr.count("skipped") == 2
+    again = run_cli(*args, timeout=600)
+    assert again.returncode == 0 and "skipped" in again.stderr and again.stderr.count("skipped") == 3
 
 
 def test_samples_dry_run_against_their_real_model_configs(tmp_path):
