@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 
+from mtp_train.models.checkpoint import load_transformer
 from mtp_train.runtime.engine import Engine
+from mtp_train.runtime.speculative import DraftModelDrafter, SpeculativeDecoder
 from mtp_train.runtime.sampling import SamplingParams
 from mtp_train.runtime.tp import init_tensor_parallel
 
@@ -19,6 +22,9 @@ def main(target: str, prompts_file: str, out_file: str, tp_size: int) -> None:
     engine = Engine.from_pretrained(target, tp=tp, page_size=16)
     scored = engine.score(prompts, layers=[-1], topk=16)
     generated = engine.generate(prompts, SamplingParams(max_new_tokens=16, stop_token_ids=()))
+    # Speculative decoding under TP: the draft (the target itself, unsharded) runs on the leader only.
+    drafter = DraftModelDrafter(engine, load_transformer(Path(target)))
+    speculative = SpeculativeDecoder(engine, drafter, 3).generate(prompts, SamplingParams(max_new_tokens=16, stop_token_ids=()))
     if tp.is_leader:
         torch.save(
             {
@@ -29,6 +35,8 @@ def main(target: str, prompts_file: str, out_file: str, tp_size: int) -> None:
                 "logsumexp": scored.logsumexp,
                 "hidden": scored.hidden,
                 "tokens": [r.tokens for r in generated],
+                "speculative_tokens": [r.tokens for r in speculative],
+                "accepted": [r.stats.accepted for r in speculative],
             },
             out_file,
         )
