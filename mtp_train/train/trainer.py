@@ -8,6 +8,10 @@ Launch one process with ``mtp-train train RECIPE``; several on CPU with
 ``ACCELERATE_USE_CPU=1 torchrun --nproc_per_node N -m mtp_train.cli train RECIPE`` (gloo).
 Rank r takes batches r, r+W, ... of each epoch's seeded order, so the global batch is
 ``W * grad_accum * batch_tokens`` tokens, and the data position is a function of the step.
+
+SIGUSR1 or SIGTERM (a SLURM time-limit warning or a preemption) asks for a stop: at the end of the
+current optimizer step every rank agrees on it, a checkpoint is written, and the process exits with
+status 75 (``EXIT_STOPPED``). Rerunning the command resumes from that checkpoint.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import hashlib
 import json
 import math
 import os
+import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +43,30 @@ from mtp_train.train.loss import LossWeights, head_loss, simulated_tau
 from precompute.manifest import text_fingerprint
 from precompute.reader import FeatureReader
 from precompute.writer import crash_point
+
+
+EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped by a signal after a checkpoint; run again to resume
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+
+class StopRequest:
+    """Set by SIGUSR1/SIGTERM; the trainer checks it between optimizer steps, never inside one."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
+
+    def _handle(self, signum: int, frame) -> None:
+        self.signal = signum
+
+    def agreed(self, accelerator) -> bool:
+        """True on every rank when any rank was signalled, so that all ranks stop after the same step."""
+        flag = torch.tensor(1.0 if self.signal is not None else 0.0, device=accelerator.device)
+        return bool(accelerator.reduce(flag, reduction="sum") > 0) if accelerator.num_processes > 1 else bool(flag)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 def head_dir(recipe: Recipe) -> Path:
@@ -192,6 +221,21 @@ def run_train(recipe: Recipe) -> Path:
         ids = plan[((index * t.grad_accum + micro) * world + rank) % len(plan)]
         return lambda: load_batch(reader, [reader.train[i] for i in ids], t.batch_tokens, torch.float32)
 
+    def save_checkpoint(step: int, epoch: int, index: int) -> None:
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            begin_checkpoint(ckpt_root, step)
+        accelerator.wait_for_everyone()
+        if zero or accelerator.is_main_process:
+            save_optimizer_shard(ckpt_root, step, rank, _optimizer_state(optimizer, zero))
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            finish_checkpoint(ckpt_root, step, accelerator.unwrap_model(model), scheduler,
+                              {"epoch": epoch, "batch_in_epoch": index + 1, "per_epoch": per_epoch},
+                              world if zero else 1, t.keep_checkpoints)
+        accelerator.wait_for_everyone()
+
+    stop = StopRequest()
     # The next micro-batch loads on a background thread while the current one trains.
     prefetch = ThreadPoolExecutor(max_workers=1)
     pending = prefetch.submit(load(step, 0)) if step < total else None
@@ -229,20 +273,24 @@ def run_train(recipe: Recipe) -> Path:
                 run.log({k: v for k, v in record.items() if not isinstance(v, list)}, step=step)
             bar.set_postfix_str(f"loss {mean_loss:.3f}, {tokens_seen * world / (time.perf_counter() - t0):,.0f} tok/s")
         bar.update(1)
-        if step % t.save_every == 0 or step == total:
-            accelerator.wait_for_everyone()
-            if accelerator.is_main_process:
-                begin_checkpoint(ckpt_root, step)
-            accelerator.wait_for_everyone()
-            if zero or accelerator.is_main_process:
-                save_optimizer_shard(ckpt_root, step, rank, _optimizer_state(optimizer, zero))
-            accelerator.wait_for_everyone()
-            if accelerator.is_main_process:
-                finish_checkpoint(ckpt_root, step, accelerator.unwrap_model(model), scheduler,
-                                  {"epoch": epoch, "batch_in_epoch": index + 1, "per_epoch": per_epoch},
-                                  world if zero else 1, t.keep_checkpoints)
-            accelerator.wait_for_everyone()
+        saved_now = step % t.save_every == 0 or step == total
+        if saved_now:
+            save_checkpoint(step, epoch, index)
             crash_point("train", step)
+        if step < total and stop.agreed(accelerator):
+            if not saved_now:
+                save_checkpoint(step, epoch, index)
+            stop.restore()
+            bar.close()
+            prefetch.shutdown(cancel_futures=True)
+            if accelerator.is_main_process:
+                why = signal.Signals(stop.signal).name if stop.signal else "a signal on another rank"
+                print(f"train: stopped by {why} after step {step}; checkpoint {ckpt_root / 'latest'} written; "
+                      f"run again to resume (exit status {EXIT_STOPPED})", file=sys.stderr)
+                if run is not None:
+                    run.finish()
+            sys.exit(EXIT_STOPPED)
+    stop.restore()
     bar.close()
     prefetch.shutdown()
     # Every rank's weight digest, so that anyone can check the replicas stayed identical.
