@@ -19,7 +19,8 @@ mtp-train RECIPE.yaml [KEY.PATH=VALUE ...] [--dry-run]     run every stage in or
 mtp-train {precompute,train,eval,report,export} RECIPE.yaml [KEY.PATH=VALUE ...] [--dry-run]
 mtp-train verify FEATURES_DIR                               check every shard's checksum
 mtp-train precompute RECIPE.yaml [--overwrite] [--rank R --world-size W]
-mtp-train {eval,report} RECIPE.yaml [--baseline OLD/report.json]"""
+mtp-train {eval,report} RECIPE.yaml [--baseline OLD/report.json]
+mtp-train slurm RECIPE.yaml [KEY.PATH=VALUE ...] [--nodes N --gpus-per-node G --cpu ...] [--dry-run] [--wait]"""
 
 DESCRIPTION = """\
 Train speculative-decoding draft heads (DeepSeek-V3 MTP with RMSNorms restored, EAGLE)
@@ -32,6 +33,7 @@ stages:
   report      write the JSON, Markdown and HTML release report
   export      write the head in DeepSeek-V3 MTP naming
   verify      check a features directory against its manifest
+  slurm       render the sbatch scripts for a recipe and submit them as a chain (slurm --help)
 
 exit status: 0 done, 1 verify found a problem, 2 bad input (one line on stderr), 3 stage not built yet."""
 
@@ -69,7 +71,41 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--baseline", type=Path, help="an earlier report.json: add deltas and flag regressions")
     verify = sub.add_parser("verify", help=argparse.SUPPRESS)
     verify.add_argument("features_dir", type=Path, metavar="FEATURES_DIR")
+    _add_slurm_parser(sub)
     return parser
+
+
+def _add_slurm_parser(sub) -> None:
+    p = sub.add_parser("slurm", help=argparse.SUPPRESS, description="Render slurm/*.sbatch for the recipe into "
+                       "OUTPUT_DIR/slurm/ and submit precompute (array) -> verify -> train -> eval, each with "
+                       "--dependency=afterok on the one before. Prints the job ids.")
+    _add_recipe_args(p)
+    g = p.add_argument_group("cluster")
+    g.add_argument("--nodes", type=int, default=1, help="training nodes (default 1)")
+    g.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    g.add_argument("--procs-per-node", type=int, help="training processes per node (default: GPUs per node; "
+                   "1 with --cpu)")
+    g.add_argument("--array-tasks", type=int, help="precompute array tasks (default: nodes x GPUs / target.tp; "
+                   "2 with --cpu)")
+    g.add_argument("--partition", help="#SBATCH --partition")
+    g.add_argument("--account", help="#SBATCH --account")
+    g.add_argument("--cpus-per-task", type=int, help="#SBATCH --cpus-per-task")
+    g.add_argument("--time", dest="train_time", default="24:00:00", help="training time limit (default 24:00:00)")
+    g.add_argument("--precompute-time", default="12:00:00", help="time limit per array task (default 12:00:00)")
+    g.add_argument("--eval-time", default="04:00:00", help="eval time limit (default 04:00:00)")
+    g.add_argument("--signal-lead", type=int, default=300, help="seconds before the time limit that the training "
+                   "job is told to checkpoint and requeue (default 300)")
+    g.add_argument("--sbatch", dest="extra_sbatch", action="append", default=[], metavar="OPTION",
+                   help="another #SBATCH option for every job, e.g. --sbatch=--qos=high (repeatable)")
+    g.add_argument("--job-name", help="job name prefix (default: mtp-OUTPUT_DIR's name)")
+    e = p.add_argument_group("environment")
+    e.add_argument("--cpu", action="store_true", help="no GPUs: gloo, fp32, ACCELERATE_USE_CPU=1")
+    e.add_argument("--venv", help="virtual environment to activate in every job (default: the one running this; "
+                   "'none' for none)")
+    e.add_argument("--setup", help="shell line(s) run first in every job, e.g. 'module load cuda/12.4'")
+    e.add_argument("--srun-args", default="", help="extra srun flags, e.g. '--container-image=IMAGE'")
+    p.add_argument("--wait", action="store_true", help="wait for the chain; exit 1 and name the failed job or "
+                   "array task if one fails")
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -82,6 +118,8 @@ def _dispatch(args: argparse.Namespace) -> int:
 
     recipe = load_recipe(args.recipe, args.overrides)
     check_inputs(recipe)
+    if args.command == "slurm":
+        return _slurm(args, recipe)
     stages = STAGES if args.command == "run" else (STAGE_BY_NAME[args.command],)
     if args.dry_run:
         print("# resolved recipe")
@@ -109,6 +147,23 @@ def _dispatch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _slurm(args: argparse.Namespace, recipe) -> int:
+    from mtp_train.slurm import SlurmOptions, run_slurm
+
+    if args.venv is None:  # the environment running this command, when it is a virtual environment
+        venv = Path(sys.prefix) if sys.prefix != sys.base_prefix else None
+    else:
+        venv = None if args.venv == "none" else Path(args.venv).resolve()
+    opts = SlurmOptions(
+        nodes=args.nodes, gpus_per_node=args.gpus_per_node, procs_per_node=args.procs_per_node,
+        array_tasks=args.array_tasks, partition=args.partition, account=args.account,
+        cpus_per_task=args.cpus_per_task, train_time=args.train_time, precompute_time=args.precompute_time,
+        eval_time=args.eval_time, cpu=args.cpu, venv=venv, setup=args.setup, srun_args=args.srun_args,
+        signal_lead=args.signal_lead, job_name=args.job_name, extra_sbatch=tuple(args.extra_sbatch),
+    )
+    return run_slurm(args.recipe, args.overrides, recipe, opts, args.dry_run, args.wait)
+
+
 def _verify(root: Path) -> int:
     from precompute.verify import verify
 
@@ -127,7 +182,7 @@ def _verify(root: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     positionals = [a for a in argv if not a.startswith("-")]
-    if positionals and positionals[0] not in (*RECIPE_STAGES, "verify"):
+    if positionals and positionals[0] not in (*RECIPE_STAGES, "verify", "slurm"):
         argv.insert(0, "run")
     parser = build_parser()
     # Overrides may follow flags (`RECIPE --dry-run a.b=c`), which argparse's
