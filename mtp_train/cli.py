@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="mtp-train", usage=USAGE, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    sub = parser.add_subparsers(dest="command", parser_class=OneLineParser, metavar="")
+    # prog: without it a subcommand's usage errors would start with the whole multi-line USAGE
+    sub = parser.add_subparsers(dest="command", parser_class=OneLineParser, metavar="", prog="mtp-train")
     run = sub.add_parser("run", help=argparse.SUPPRESS)
     _add_recipe_args(run)
     run.add_argument("--overwrite", action="store_true", help="replace outputs made from a different recipe")

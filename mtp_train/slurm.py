@@ -30,7 +30,7 @@ from mtp_train.recipe import Recipe
 TEMPLATES = Path(__file__).resolve().parents[1] / "slurm"
 JOBS = ("precompute", "verify", "train", "eval")
 SLURM_TIMEOUT = 60  # seconds for one sbatch/scontrol/scancel call
-CPU_OVERRIDES = ("target.dtype=float32", "train.mixed_precision='no'")  # (plain `no` is YAML for false)
+CPU_OVERRIDES = ("target.dtype=float32", 'train.mixed_precision="no"')  # (plain `no` is YAML for false)
 # Job states after which a job does nothing more (without accounting, scontrol knows them for MinJobAge).
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
                 "DEADLINE", "SPECIAL_EXIT"}

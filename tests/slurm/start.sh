@@ -41,9 +41,11 @@ if ! timeout 10 munge -n </dev/null >/dev/null 2>&1; then
     chown munge:munge /etc/munge/munge.key && chmod 0400 /etc/munge/munge.key
     mkdir -p /run/munge /var/log/munge /var/lib/munge
     chown munge:munge /run/munge /var/log/munge /var/lib/munge
-    runuser -u munge -- munged --pid-file="$STATE/munged.pid"
+    rm -f /run/munge/munged.pid
+    runuser -u munge -- munged --pid-file=/run/munge/munged.pid
     for _ in $(seq 50); do timeout 5 munge -n </dev/null >/dev/null 2>&1 && break; sleep 0.1; done
     timeout 10 munge -n </dev/null >/dev/null 2>&1 || die "munged did not start"
+    cp /run/munge/munged.pid "$STATE/munged.pid"  # ours to stop (STATE may be closed to the munge user)
 fi
 
 mkdir -p "$STATE/ctld" "$STATE/spool"

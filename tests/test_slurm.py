@@ -1,0 +1,287 @@
+"""SLURM: rendering and submission (`mtp-train slurm`), the trainer's stop signal, and the chain on a real
+local cluster (slurmctld plus two slurmd nodes, n1 and n2, started by tests/slurm/start.sh).
+
+The cluster tests are marked `slurm`: deselect them with `-m "not slurm"`. Without root they skip, with the
+reason; under CI=true they fail instead, so that CI never skips them silently. Every SLURM command runs
+under `timeout`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO, TINY_RECIPE, run_cli
+from precompute_helpers import make_recipe, sgd_rows, shard_contents, write_jsonl
+
+HARNESS = REPO / "tests" / "slurm"
+CHAIN_TIMEOUT = 900  # seconds for one whole chain; it takes about a minute and a half on 2 idle cores
+TRAIN = {"batch_tokens": 1024, "lr": 3e-3, "warmup_steps": 2, "unroll": 2, "max_steps": 10, "val_every": 5,
+         "save_every": 5, "wandb_mode": "disabled"}
+EVAL = {"k": [1], "temperatures": [0.0], "prompt_sets": ["heldout"], "max_prompts": 4, "max_new_tokens": 8,
+        "compare": []}
+# The scripts' CPU mode runs one BLAS thread per process; the runs without SLURM do the same.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+
+
+def small_recipe(tmp: Path, data: Path, **overrides) -> Path:
+    sections = {"data": {"heldout_rows": 8}, "precompute": {"layers": [-1], "topk": 16}, "train": dict(TRAIN),
+                "eval": dict(EVAL)}
+    for section, values in overrides.items():
+        sections[section].update(values)
+    return make_recipe(tmp, data, **sections)
+
+
+def mtp_train(*args, env=None, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "mtp_train.cli", *map(str, args)], cwd=REPO, env=env or ENV,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def train_log(output_dir: Path, kind: str = "mtp") -> list[dict]:
+    path = output_dir / f"train_log.{kind}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return write_jsonl(tmp_path_factory.mktemp("data") / "sgd.jsonl", sgd_rows(60, split="train"))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, data) -> Path:
+    """The same recipe without SLURM: one precompute process, one training process with grad_accum=2,
+    which has the global batch of 2 nodes x 1 process. Returns the output directory."""
+    tmp = tmp_path_factory.mktemp("reference")
+    recipe = small_recipe(tmp, data)
+    for stage, extra in (("precompute", []), ("train", ["train.grad_accum=2"])):
+        proc = mtp_train(stage, recipe, *extra)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return tmp / "run"
+
+
+# ---- without a cluster ----------------------------------------------------------------------------------
+
+def test_dry_run_prints_the_scripts_and_the_chained_sbatch_commands(tmp_path):
+    out = tmp_path / "run"
+    proc = run_cli("slurm", TINY_RECIPE, f"output_dir={out}", "target.tp=2", "--nodes", "2", "--gpus-per-node", "8",
+                   "--partition", "gpu", "--account", "proj", "--time", "48:00:00", "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    scripts = {job: text.split(f"# ---- {out}/slurm/{job}.sbatch ----\n", 1)[1].split("# ---- ", 1)[0]
+               for job in ("precompute", "verify", "train", "eval")}
+    pre, train = scripts["precompute"], scripts["train"]
+    assert "#SBATCH --array=0-7\n" in pre and "#SBATCH --gres=gpu:2\n" in pre  # 2 nodes x 8 GPUs / TP 2
+    assert 'torchrun --standalone --nproc_per_node "$TP"' in pre and "TP=2\n" in pre
+    assert "#SBATCH --nodes=2\n" in train and "#SBATCH --gres=gpu:8\n" in train and "export PROCS_PER_NODE=8" in train
+    assert "#SBATCH --requeue\n" in train and "#SBATCH --signal=B:USR1@300\n" in train
+    assert "#SBATCH --time=48:00:00\n" in train and "scontrol show hostnames" in train
+    assert "--gres" not in scripts["verify"] and "mtp-train verify" in scripts["verify"]
+    for script in scripts.values():
+        assert "#SBATCH --partition=gpu\n" in script and "#SBATCH --account=proj\n" in script
+        assert "{{" not in script and "ACCELERATE_USE_CPU" not in script
+        assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    commands = text.split("# ---- submission", 1)[1].splitlines()[1:]
+    assert commands[0] == f"PRECOMPUTE=$(sbatch --parsable {out}/slurm/precompute.sbatch)"
+    assert commands[1] == (f"VERIFY=$(sbatch --parsable --dependency=afterok:$PRECOMPUTE --kill-on-invalid-dep=yes "
+                           f"{out}/slurm/verify.sbatch)")
+    assert "--dependency=afterok:$VERIFY" in commands[2] and "--dependency=afterok:$TRAIN" in commands[3]
+    assert not out.exists(), "a dry run writes nothing"
+
+
+def test_cpu_mode_renders_gloo_fp32_scripts(tmp_path):
+    proc = run_cli("slurm", TINY_RECIPE, f"output_dir={tmp_path}", "--cpu", "--nodes", "2", "--array-tasks", "3",
+                   "--venv", "none", "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    assert "export ACCELERATE_USE_CPU=1 OMP_NUM_THREADS=1" in proc.stdout and "--gres" not in proc.stdout
+    assert "OVERRIDES=(target.dtype=float32 'train.mixed_precision=\"no\"' output_dir=" in proc.stdout
+    assert "#SBATCH --array=0-2\n" in proc.stdout and "bin/activate" not in proc.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nodes", "0"], "--nodes: must be at least 1"),
+    (["--gpus-per-node", "4", "target.tp=4", "--array-tasks", "x"], "argument --array-tasks: invalid int value"),
+    (["--partition", "a b"], "--partition: 'a b' must be one word"),
+    (["target.tp=2", "--gpus-per-node", "1"], "target.tp: 2 exceeds --gpus-per-node 1"),
+])
+def test_bad_options_are_one_line_errors(tmp_path, args, message):
+    proc = run_cli("slurm", TINY_RECIPE, f"output_dir={tmp_path}", *args, "--dry-run")
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+def test_no_sbatch_on_path_is_a_one_line_error(tmp_path):
+    env = {**ENV, "PATH": str(Path(sys.executable).parent)}
+    proc = mtp_train("slurm", TINY_RECIPE, f"output_dir={tmp_path}", "--cpu", env=env, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == "mtp-train: sbatch not found on PATH; run on a SLURM login node, or use --dry-run"
+    assert not (tmp_path / "slurm").exists()
+
+
+def test_trainer_stops_on_sigusr1_with_a_checkpoint_and_resumes_to_the_same_weights(tmp_path, data, reference):
+    recipe = small_recipe(tmp_path, data, train={"save_every": 50},
+                          precompute={"features_dir": str(reference / "features")})
+    cmd = [sys.executable, "-m", "mtp_train.cli", "train", str(recipe), "train.grad_accum=2"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not train_log(tmp_path / "run") and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGUSR1)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 75, err[-3000:]
+    stopped_at = train_log(tmp_path / "run")[-1]["step"]
+    assert 1 <= stopped_at < TRAIN["max_steps"] and f"stopped by SIGUSR1 after step {stopped_at}" in err
+    assert (tmp_path / "run" / "checkpoints" / "mtp" / f"step-{stopped_at:08d}").is_dir()
+    resumed = mtp_train("train", recipe, "train.grad_accum=2")
+    assert resumed.returncode == 0 and f"resuming at step {stopped_at}" in resumed.stderr, resumed.stderr[-3000:]
+    assert train_log(tmp_path / "run") == train_log(reference)
+    a, b = (load_file(d / "heads" / "mtp" / "model.safetensors") for d in (tmp_path / "run", reference))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---- on a real local cluster -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """slurmctld and slurmd n1, n2 on localhost for this module; SLURM_CONF points the commands at them."""
+    if os.geteuid() != 0:
+        reason = "the local SLURM cluster needs root (apt-get, /etc/hosts, daemons): tests/slurm/start.sh"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI must run the SLURM tests, but {reason}")
+        pytest.skip(reason)
+    state = tmp_path_factory.mktemp("slurm-state")
+    start = subprocess.run(["timeout", "900", "bash", str(HARNESS / "start.sh"), str(state)], capture_output=True,
+                           text=True)
+    assert start.returncode == 0, f"tests/slurm/start.sh failed:\n{start.stderr[-3000:]}"
+    saved = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = ENV["SLURM_CONF"] = str(state / "slurm.conf")
+    try:
+        yield state
+    finally:
+        subprocess.run(["timeout", "30", "scancel", "--user=root"], capture_output=True)  # this cluster's jobs only
+        subprocess.run(["timeout", "120", "bash", str(HARNESS / "stop.sh"), str(state)], capture_output=True)
+        ENV.pop("SLURM_CONF", None)
+        if saved is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = saved
+
+
+def submit_chain(recipe: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`mtp-train slurm RECIPE --cpu --nodes 2 --array-tasks 3 --wait`, under `timeout`."""
+    cmd = ["timeout", str(CHAIN_TIMEOUT), sys.executable, "-m", "mtp_train.cli", "slurm", str(recipe), "--cpu",
+           "--nodes", "2", "--array-tasks", "3", *args, "--wait"]
+    return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=CHAIN_TIMEOUT + 30)
+
+
+def job_ids(stdout: str) -> dict[str, str]:
+    return {job: line.split(": ", 1)[1] for line in stdout.splitlines()
+            for job in ("precompute", "verify", "train", "eval") if line.startswith(f"{job}: ")}
+
+
+@pytest.fixture(scope="module")
+def chain(cluster, tmp_path_factory, data):
+    """The whole chain on the cluster: precompute as 3 array tasks, verify, training on 2 nodes x 1 process,
+    eval. Returns the output directory and the command's result."""
+    tmp = tmp_path_factory.mktemp("chain")
+    recipe = small_recipe(tmp, data)
+    started = time.monotonic()
+    proc = submit_chain(recipe)
+    print(f"chain: {time.monotonic() - started:.0f}s")
+    return tmp / "run", proc
+
+
+@pytest.mark.slurm
+def test_chain_on_two_nodes_equals_a_run_without_slurm(chain, reference):
+    out, proc = chain
+    logs = "\n".join(f"== {p.name}\n{p.read_text()[-1500:]}" for p in sorted((out / "slurm" / "logs").glob("*")))
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{logs}"
+    ids = job_ids(proc.stdout)
+    assert list(ids) == ["precompute", "verify", "train", "eval"] and len(set(ids.values())) == 4
+    assert f"slurm: precompute: job {ids['precompute']} COMPLETED, 3 array tasks" in proc.stdout
+    # Three array tasks wrote three ranks; the final step verified them.
+    features = out / "features"
+    manifest = json.loads((features / "manifest.json").read_text())
+    assert sorted(manifest["ranks"]) == [0, 1, 2] and manifest["world_size"] == 3
+    assert "ranks [0, 1, 2] of 3: OK" in (out / "slurm" / "logs" / f"verify-{ids['verify']}.out").read_text()
+    assert run_cli("verify", features).returncode == 0
+    # Identical features, row by row (the runs shard them differently).
+    ours, ref = shard_contents(features), shard_contents(reference / "features")
+    assert sorted(ours) == sorted(ref)
+    for row_id, tensors in ref.items():
+        assert ours[row_id].keys() == tensors.keys()
+        for name, tensor in tensors.items():
+            assert torch.equal(ours[row_id][name], tensor), f"row {row_id}: {name} differs"
+    # Training ran as 2 processes, one per node, and ends at the same loss as 1 process x 2 micro-batches.
+    train_out = (out / "slurm" / "logs" / f"train-{ids['train']}.out").read_text()
+    assert "train: 2 node(s) (n[1-2]) x 1" in train_out and "2 process(es)" in train_out
+    config = json.loads((out / "heads" / "mtp" / "config.json").read_text())
+    assert len(config["rank_weight_sha256"]) == 2 and len(set(config["rank_weight_sha256"])) == 1
+    ours_log, ref_log = train_log(out), train_log(reference)
+    assert [r["step"] for r in ours_log] == list(range(1, TRAIN["max_steps"] + 1))
+    for a, b in zip(ours_log, ref_log):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-3)
+    assert ours_log[-1]["val_loss"] == pytest.approx(ref_log[-1]["val_loss"], rel=1e-3)
+    # The eval job wrote the report.
+    report = json.loads((out / "eval" / "report.json").read_text())
+    assert report and all((out / "eval" / f"report.{ext}").is_file() for ext in ("md", "html"))
+
+
+@pytest.mark.slurm
+def test_training_signalled_mid_run_requeues_and_ends_with_the_same_weights(chain, tmp_path, data):
+    """`scancel --signal=USR1 --batch`, as SLURM does before the time limit: the trainer checkpoints and exits,
+    the job requeues itself, resumes from `latest`, and ends where the uninterrupted chain did."""
+    from mtp_train.recipe import load_recipe
+    from mtp_train.slurm import SlurmOptions, render, wait_chain, write_scripts
+
+    uninterrupted, _ = chain
+    recipe_path = small_recipe(tmp_path, data, precompute={"features_dir": str(uninterrupted / "features")})
+    recipe = load_recipe(recipe_path)
+    opts = SlurmOptions(nodes=2, cpu=True, venv=Path(sys.prefix), array_tasks=3)
+    paths = write_scripts(render(recipe_path, [], recipe, opts), recipe)
+    submitted = subprocess.run(["timeout", "60", "sbatch", "--parsable", str(paths["train"])], env=ENV,
+                               capture_output=True, text=True)
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + 600
+    while not train_log(recipe.output_dir) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    signalled = subprocess.run(["timeout", "30", "scancel", "--signal=USR1", "--batch", job], capture_output=True,
+                               text=True)
+    assert signalled.returncode == 0, signalled.stderr
+    result = wait_chain({"train": job}, timeout=CHAIN_TIMEOUT)
+    log_text = (recipe.output_dir / "slurm" / "logs" / f"train-{job}.out").read_text()
+    assert result.ok, "\n".join(result.lines) + "\n" + log_text[-4000:]
+    assert "got SIGUSR1" in log_text and f"requeueing job {job}" in log_text and "restart 1" in log_text
+    assert "stopped by SIGUSR1 after step" in log_text and "resuming at step" in log_text
+    ours = train_log(recipe.output_dir)
+    assert [r["step"] for r in ours] == list(range(1, TRAIN["max_steps"] + 1))
+    assert [r["loss"] for r in ours] == [r["loss"] for r in train_log(uninterrupted)]
+    a, b = (load_file(d / "heads" / "mtp" / "model.safetensors") for d in (recipe.output_dir, uninterrupted))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slurm
+def test_a_failed_array_task_cancels_the_rest_of_the_chain_and_is_named(cluster, tmp_path, data):
+    recipe = small_recipe(tmp_path, write_jsonl(tmp_path / "sgd.jsonl", sgd_rows(15, split="train")),
+                          data={"heldout_rows": 2})
+    # Rank 1's first shard path is taken by a directory, so array task 1 cannot clean or write it.
+    (tmp_path / "run" / "features" / "shard-00001-00000.safetensors" / "taken").mkdir(parents=True)
+    proc = submit_chain(recipe)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    ids = job_ids(proc.stdout)
+    assert f"slurm: precompute: array task 1 (job {ids['precompute']}_1) FAILED, exit code 1:0" in proc.stderr
+    assert "IsADirectoryError" in proc.stderr.split("array task 1", 1)[1].splitlines()[0]
+    assert "array task 0" not in proc.stderr and "array task 2" not in proc.stderr
+    for job in ("verify", "train", "eval"):
+        assert (f"slurm: {job}: job {ids[job]} CANCELLED because an earlier job failed (DependencyNeverSatisfied); "
+                f"it never ran") in proc.stderr
+    assert not (tmp_path / "run" / "features" / "manifest.json").exists()
