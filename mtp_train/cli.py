@@ -35,7 +35,8 @@ stages:
   verify      check a features directory against its manifest
   slurm       render the sbatch scripts for a recipe and submit them as a chain (slurm --help)
 
-exit status: 0 done, 1 verify found a problem, 2 bad input (one line on stderr), 3 stage not built yet."""
+exit status: 0 done, 1 verify found a problem (or a SLURM job failed: slurm --wait), 2 bad input (one line
+on stderr), 3 stage not built yet, 75 training stopped by SIGUSR1/SIGTERM after a checkpoint (rerun resumes)."""
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -33,12 +33,12 @@ EVAL = {"k": [1], "temperatures": [0.0], "prompt_sets": ["heldout"], "max_prompt
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
 
 
-def small_recipe(tmp: Path, data: Path, **overrides) -> Path:
+def small_recipe(tmp: Path, data_file: Path, **overrides) -> Path:
     sections = {"data": {"heldout_rows": 8}, "precompute": {"layers": [-1], "topk": 16}, "train": dict(TRAIN),
                 "eval": dict(EVAL)}
     for section, values in overrides.items():
         sections[section].update(values)
-    return make_recipe(tmp, data, **sections)
+    return make_recipe(tmp, data_file, **sections)
 
 
 def mtp_train(*args, env=None, timeout: float = 600) -> subprocess.CompletedProcess[str]:
@@ -58,13 +58,19 @@ def data(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, data) -> Path:
-    """The same recipe without SLURM: one precompute process, one training process with grad_accum=2,
-    which has the global batch of 2 nodes x 1 process. Returns the output directory."""
+    """The same recipe without SLURM: precompute as 3 ranks (`--rank R --world-size 3`, as the array's 3 tasks;
+    the trainer's batch plan follows the shards), then one training process with grad_accum=2, which has the
+    global batch of 2 nodes x 1 process. Returns the output directory."""
     tmp = tmp_path_factory.mktemp("reference")
     recipe = small_recipe(tmp, data)
-    for stage, extra in (("precompute", []), ("train", ["train.grad_accum=2"])):
-        proc = mtp_train(stage, recipe, *extra)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [subprocess.Popen([sys.executable, "-m", "mtp_train.cli", "precompute", str(recipe), "--rank", str(r),
+                               "--world-size", "3"], cwd=REPO, env=ENV, stderr=subprocess.PIPE, text=True)
+             for r in range(3)]
+    for rank in ranks:
+        _, err = rank.communicate(timeout=600)
+        assert rank.returncode == 0, err[-3000:]
+    proc = mtp_train("train", recipe, "train.grad_accum=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
     return tmp / "run"
 
 
@@ -95,6 +101,25 @@ def test_dry_run_prints_the_scripts_and_the_chained_sbatch_commands(tmp_path):
                            f"{out}/slurm/verify.sbatch)")
     assert "--dependency=afterok:$VERIFY" in commands[2] and "--dependency=afterok:$TRAIN" in commands[3]
     assert not out.exists(), "a dry run writes nothing"
+
+
+def test_the_readme_example_for_llama_70b_on_four_8xh100_nodes(tmp_path):
+    """The README's worked example: 4 array tasks with TP 8 on a node each, 32 training ranks, eval on 8 GPUs."""
+    target = tmp_path / "target"  # Llama-3.3-70B's head counts, enough for the checks that need a checkpoint
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"model_type": "llama", "num_attention_heads": 64,
+                                                    "num_key_value_heads": 8}))
+    (target / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "w.safetensors"}}))
+    (target / "w.safetensors").write_bytes(b"")
+    proc = run_cli("slurm", REPO / "recipes/llama3.3-70b.yaml", f"target.path={target}", f"output_dir={tmp_path}",
+                   "--nodes", "4", "--gpus-per-node", "8", "--partition", "gpu", "--account", "myproj", "--time",
+                   "48:00:00", "--setup", "module load cuda/12.4", "--venv", "/shared/mtp-train/.venv", "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    pre, _, train, evaluation = proc.stdout.split("# ---- ")[1:5]
+    assert "#SBATCH --array=0-3\n" in pre and "#SBATCH --gres=gpu:8\n" in pre and "TP=8\n" in pre
+    assert "#SBATCH --nodes=4\n" in train and "export PROCS_PER_NODE=8\n" in train
+    assert "#SBATCH --time=48:00:00\n" in train and "#SBATCH --gres=gpu:8\n" in evaluation
+    assert "module load cuda/12.4\nsource /shared/mtp-train/.venv/bin/activate\n" in train
 
 
 def test_cpu_mode_renders_gloo_fp32_scripts(tmp_path):

@@ -72,7 +72,7 @@ MpiDefault=none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/backfill
-SchedulerParameters=batch_sched_delay=0,bf_interval=1
+SchedulerParameters=batch_sched_delay=0,bf_interval=1,sched_interval=1
 SlurmdParameters=config_overrides
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
