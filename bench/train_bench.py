@@ -1,17 +1,20 @@
 """Trainer throughput, the input pipeline against sequential reads of the same files, and mtp vs eagle.
 
-    .venv/bin/python bench/train_bench.py [--features runs/tiny/features] [--batches 40] [--rounds 5] [--steps 12]
+    .venv/bin/python bench/train_bench.py [--features runs/tiny/features] [--windows 3] [--rounds 5] [--steps 12]
 
 Needs the tiny default's features (``mtp-train precompute recipes/tiny.yaml``). Measured in one run:
 
 1. The input pipeline (``load_batch``, what the trainer calls: read + pack + convert to fp32) in bytes of stored
    features it reads per second, against a sequential read (8 MiB ``readinto`` a reused buffer) of the shard files
-   those batches come from. Both from the same page-cache state, in interleaved rounds:
-   - cold: the shard files are dropped from the page cache (``posix_fadvise(DONTNEED)``, no root needed; the
-     resident fraction is checked with ``mincore`` and printed) before each of the two measurements;
+   those batches come from. The batches are those of the plan's first ``--windows`` shard windows (epoch 0, seed 0),
+   so they read every row of those files; the pipeline also reads the next window ahead, and that I/O, wasted here,
+   is inside its clock. Both from the same page-cache state, in interleaved rounds:
+   - cold: every shard file is dropped from the page cache (``posix_fadvise(DONTNEED)``, no root needed; the
+     resident fraction of the measured files is checked with ``mincore`` and printed) before each of the two
+     measurements, and the reader forgets which windows it already read ahead;
    - warm: every shard file was just read, so both run from memory.
-   Measured the same way, for comparison: the pipeline's positioned reads alone (what any loader reading only the
-   rows it needs, in the plan's shuffled order, must pay), and the previous per-sequence packing (one
+   Measured the same way, for comparison: the pipeline's reads alone (window readahead and positioned reads, no
+   packing), and the per-sequence packing of two versions ago, without readahead (one
    ``reader.load`` per sequence, torch conversions and ``torch.cat``). Goal: pipeline / sequential >= 0.8.
    The machine is shared and noisy, so each ratio is given two ways: the median over rounds of the ratio to the
    sequential read right before it, and the best pipeline rate over the best sequential rate.
@@ -105,7 +108,7 @@ def per_sequence_batch(reader, refs, batch_tokens: int, dtype: torch.dtype):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--features", type=Path, default=REPO / "runs/tiny/features")
-    p.add_argument("--batches", type=int, default=40, help="batches per pipeline measurement")
+    p.add_argument("--windows", type=int, default=3, help="shard windows (all their batches) per pipeline measurement")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per cache state")
     p.add_argument("--steps", type=int, default=12, help="training steps in the trainer-loop measurement")
     args = p.parse_args()
@@ -113,7 +116,7 @@ def main() -> None:
     from mtp_train.heads import build_head, head_spec
     from mtp_train.heads.frozen import FrozenTarget
     from mtp_train.recipe import load_recipe
-    from mtp_train.train.data import load_batch, plan_batches
+    from mtp_train.train.data import SHARD_WINDOW, load_batch, plan_batches, plan_windows, read_ahead
     from mtp_train.train.loss import LossWeights, head_loss
     from precompute.reader import FeatureReader
 
@@ -121,7 +124,10 @@ def main() -> None:
     batch_tokens = recipe.train.batch_tokens
     reader = FeatureReader(args.features)
     plan = plan_batches(reader.train, batch_tokens, 0, 0)
-    batches = [[reader.train[i] for i in ids] for ids in plan[: args.batches]]
+    measured = {s for w in plan_windows(reader.train, 0, 0)[: args.windows] for s in w}
+    n_batches = next((k for k, ids in enumerate(plan) if reader.train[ids[0]].shard not in measured), len(plan))
+    batches = [[reader.train[i] for i in ids] for ids in plan[:n_batches]]
+    every_shard = sorted(args.features.glob("shard-*.safetensors"))
     files = sorted({args.features / r.shard for refs in batches for r in refs})
     names = ["input_ids", "loss_mask", "hidden"] + (["topk_logprobs", "topk_ids"] if reader.manifest.topk else [])
     row_bytes = {}
@@ -138,9 +144,11 @@ def main() -> None:
         (shards already open); the per-sequence path memory-maps, so it gets a fresh reader, dropped afterwards
         so that the next eviction can drop its pages (pages mapped by a live mapping stay cached)."""
         r = reader if kind in ("new", "reads") else FeatureReader(args.features)
+        r.reset_read_ahead()  # as a fresh run would: the first window is asked for again
         start = time.perf_counter()
         for refs in batches:
-            if kind == "reads":  # the same positioned reads into the same buffers, without converting
+            if kind == "reads":  # the same readahead and positioned reads into the same buffers, without converting
+                read_ahead(r, refs)
                 lengths = [min(x.stop - x.start, batch_tokens) for x in refs]
                 r.read_rows(refs, lengths, {k: staging[k][: sum(lengths) * row_bytes[k]] for k in names})
             else:
@@ -154,18 +162,18 @@ def main() -> None:
         load_batch(reader, refs, batch_tokens, torch.float32)
     most = max(sum(min(x.stop - x.start, batch_tokens) for x in refs) for refs in batches)
     staging = {k: np.empty(most * row_bytes[k], np.uint8) for k in names}
-    kinds = {"new": "pipeline: `load_batch` (read + pack + fp32)", "reads": "its positioned reads alone, no packing",
-             "old": "previous per-sequence packing"}
+    kinds = {"new": "pipeline: `load_batch` (read + pack + fp32)", "reads": "its reads alone, no packing",
+             "old": "per-sequence packing, no readahead"}
     rows = {}  # (state, kind) -> list of bytes/s; (state, kind + "/seq") -> list of ratios to the adjacent seq read
     residency = {"cold": [], "warm": []}
     for _ in range(args.rounds):
         for state in ("cold", "warm"):
             for kind in kinds:
                 if state == "cold":
-                    evict(files)
+                    evict(every_shard)
                     residency[state].append(resident(files))
                     nbytes, t_seq = sequential_read(files, buf)
-                    evict(files)
+                    evict(every_shard)
                     residency[state].append(resident(files))
                 else:
                     sequential_read(files, buf)  # warm up: every page of these files in memory
@@ -183,9 +191,8 @@ def main() -> None:
     opt = torch.optim.AdamW(head.parameters(), lr=1e-3)
     weights = LossWeights(recipe.train.w_hidden, recipe.train.w_logits, recipe.train.unroll,
                           recipe.train.unroll_decay, recipe.train.teacher)
-    steps = plan[args.batches : args.batches + args.steps]  # batches the pipeline measurements did not read
+    steps = plan[n_batches : n_batches + args.steps]  # batches the pipeline measurements did not read
     loop_reader = FeatureReader(args.features)
-    every_shard = sorted(args.features.glob("shard-*.safetensors"))
     evict(every_shard)
     cold_at_start = resident(every_shard)
     waits, computes, loads, loop_tokens = [], [], [], 0
@@ -226,7 +233,9 @@ def main() -> None:
         return "n/a" if x is None else f"{x:.1%}"
 
     print(f"{len(batches)} batches of <= {batch_tokens} tokens, {tokens:,} tokens, {len(files)} shard files "
-          f"({sum(f.stat().st_size for f in files) / 2**20:,.0f} MiB), {args.rounds} rounds per cache state")
+          f"({sum(f.stat().st_size for f in files) / 2**20:,.0f} MiB) in {args.windows} windows of {SHARD_WINDOW} "
+          f"(of {len(every_shard)} shards), at most {max(len({r.shard for r in refs}) for refs in batches)} shards "
+          f"per batch, {args.rounds} rounds per cache state")
     per_tensor = ", ".join(f"{k} {v}" for k, v in row_bytes.items())
     print(f"pipeline reads {sum(row_bytes.values())} bytes/token ({per_tensor}), {reads / len(batches):.0f} "
           f"positioned reads per batch of {consumed / reads / 1024:.1f} KiB on average")

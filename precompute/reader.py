@@ -3,13 +3,17 @@ refused if from another target."""
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 import math
+import mmap
 import os
 import struct
 import threading
 import warnings
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +57,9 @@ class FeatureReader:
         self._fds: dict[str, ShardFile] = {}
         self._lock = threading.Lock()
         self._layout: dict[str, tuple[torch.dtype, tuple[int, ...]]] | None = None  # the first opened shard's
+        self._ahead: set[str] = set()  # the shards the last read_ahead asked for
+        self._ahead_pool: ThreadPoolExecutor | None = None
+        self._pending: dict[str, Future] = {}  # shard -> its read ahead
         for entry in self.manifest.shards:
             with safe_open(self.root / entry.file, framework="pt") as f:
                 cu = f.get_tensor("cu_seqlens").tolist()
@@ -97,6 +104,33 @@ class FeatureReader:
             self._file(self.manifest.shards[0].file)
         return self._layout[name]
 
+    def read_ahead(self, shards: tuple[str, ...] | list[str]) -> None:
+        """Read these shard files whole, in this order, into the page cache on a helper thread (8 MiB sequential
+        reads into one scratch buffer: the disk's full sequential rate, which ``POSIX_FADV_WILLNEED`` over a whole
+        file did not reach here). ``read_rows`` waits for a shard's read in progress rather than adding random reads
+        of its rows. Shards that the previous call named were already asked for and are skipped, so a loader can
+        name its current and next window on every batch and each file is read once per visit.
+        """
+        shards = tuple(shards)
+        with self._lock:
+            new = [s for s in shards if s not in self._ahead]
+            self._ahead = set(shards)
+            if new and self._ahead_pool is None:
+                self._ahead_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-readahead")
+        for shard in new:
+            f = self._file(shard)
+            self._pending[shard] = self._ahead_pool.submit(_read_whole, f)
+
+    def reset_read_ahead(self) -> None:
+        """Finish or cancel the reads ahead and forget which shards were asked for, so that the next ``read_ahead``
+        reads all it names again."""
+        with self._lock:
+            self._ahead = set()
+            pending, self._pending = self._pending, {}
+        for future in pending.values():
+            future.cancel()
+        wait(pending.values())
+
     def read_rows(self, refs: list[SequenceRef], lengths: list[int], out: dict[str, np.ndarray]) -> None:
         """For each tensor ``name`` in ``out``: rows ``[ref.start, ref.start + n)`` of every ref, n its length,
         packed back to back into ``out[name]`` (a buffer of exactly ``sum(lengths)`` rows' bytes), with one
@@ -114,6 +148,8 @@ class FeatureReader:
             if views[name].nbytes != row_bytes[name] * sum(lengths):
                 raise ValueError(f"read_rows: {name} buffer holds {views[name].nbytes} bytes, "
                                  f"the rows need {row_bytes[name] * sum(lengths)}")
+        if self._pending:  # let a whole-file read in progress bring these rows in, rather than racing it
+            wait([f for s in {r.shard for r in refs} if (f := self._pending.get(s)) is not None])
         jobs, pos = [], 0
         for ref, n in zip(refs, lengths):
             if not 0 <= n <= ref.stop - ref.start:
@@ -142,6 +178,55 @@ class FeatureReader:
 
 
 _WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
+
+
+def _read_whole(f: ShardFile) -> None:
+    """Read the part of a file that is not in the page cache yet, start to end, into this thread's scratch buffer
+    (only to bring it into the page cache; a file already cached costs one ``mincore``, no copy)."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None:
+        buf = _scratch.buf = memoryview(bytearray(8 << 20))
+    try:
+        span = _uncached(f.fd, os.fstat(f.fd).st_size)
+        if span is None:
+            return
+        offset, end = span
+        while offset < end and (n := os.preadv(f.fd, [buf[: end - offset]], offset)):
+            offset += n
+    except OSError:  # only a hint: the row reads still read what they need
+        pass
+
+
+def _uncached(fd: int, size: int) -> tuple[int, int] | None:
+    """Byte range from the first to the last page of the file that is not in the page cache (``mincore`` on a
+    temporary mapping), None if every page is; the whole file where that cannot be asked."""
+    if size == 0:
+        return None
+    try:
+        page = mmap.PAGESIZE
+        pages = (size + page - 1) // page
+        vec = np.zeros(pages, np.uint8)
+        with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mm:
+            arr = np.frombuffer(mm, np.uint8)
+            rc = _libc().mincore(ctypes.c_void_p(arr.ctypes.data), ctypes.c_size_t(size),
+                                 ctypes.c_void_p(vec.ctypes.data))
+            del arr
+        if rc != 0:
+            return 0, size
+    except (OSError, AttributeError, ValueError):
+        return 0, size
+    missing = np.flatnonzero((vec & 1) == 0)
+    if not len(missing):
+        return None
+    return int(missing[0]) * page, min(size, (int(missing[-1]) + 1) * page)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+_scratch = threading.local()
 _NOWAIT = getattr(os, "RWF_NOWAIT", None)
 _DTYPES = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16, "I32": torch.int32,
            "I64": torch.int64, "U8": torch.uint8}

@@ -152,3 +152,64 @@ def test_a_truncated_shard_is_an_error_naming_it(features, tmp_path):
         f.truncate(os.path.getsize(root / last.shard) - 100)
     with pytest.raises(UserError, match=last.shard):
         load_batch(reader, [last], 10_000, torch.float32)
+
+
+def test_plan_is_a_seeded_shard_windowed_shuffle(features, monkeypatch):
+    """Every sequence once per epoch, the same plan for the same seed and epoch, another for the next epoch, and
+    each batch within one window of at most SHARD_WINDOW shards; with fewer shards than that, one window."""
+    from mtp_train.train import data
+    from precompute.reader import FeatureReader
+
+    reader = FeatureReader(features[0])
+    refs = reader.sequences
+    shards = {r.shard for r in refs}
+    assert len(shards) >= 4
+    for window in (2, 3, 100):
+        monkeypatch.setattr(data, "SHARD_WINDOW", window)
+        plans = {}
+        for seed, epoch in ((3, 0), (3, 1), (4, 0)):
+            plan = plan_batches(refs, 300, seed, epoch)
+            assert plan == plan_batches(refs, 300, seed, epoch)
+            assert sorted(i for ids in plan for i in ids) == list(range(len(refs)))
+            windows = data.plan_windows(refs, seed, epoch)
+            assert sorted(s for w in windows for s in w) == sorted(shards)
+            assert all(len(w) <= window for w in windows)
+            # batches follow the windows in order, none spans two
+            at = [next(k for k, w in enumerate(windows) if refs[ids[0]].shard in w) for ids in plan]
+            assert at == sorted(at)
+            for ids, k in zip(plan, at):
+                assert {refs[i].shard for i in ids} <= set(windows[k])
+                assert sum(min(refs[i].stop - refs[i].start, 300) for i in ids) <= 300 or len(ids) == 1
+            plans[seed, epoch] = plan
+        assert plans[3, 0] != plans[3, 1] and plans[3, 0] != plans[4, 0]
+        if window >= len(shards):  # one window: a global shuffle, each batch may mix every shard
+            assert len(data.plan_windows(refs, 3, 0)) == 1
+
+
+def test_load_batch_reads_the_window_and_the_next_one_ahead(features, monkeypatch):
+    """A planned batch asks the reader for its window's and the next window's shard files (once per window); a
+    batch that is not in the plan (validation) asks for nothing; the batches are the same either way."""
+    from mtp_train.train import data
+    from precompute.reader import FeatureReader
+
+    monkeypatch.setattr(data, "SHARD_WINDOW", 2)
+    reader = FeatureReader(features[0])
+    refs = reader.sequences
+    asked = []
+    monkeypatch.setattr("precompute.reader._read_whole", lambda f: asked.append(os.path.basename(f.path)))
+    plan = plan_batches(refs, 300, 3, 0)
+    windows = data.plan_windows(refs, 3, 0) + data.plan_windows(refs, 3, 1)[:1]
+    got = [load_batch(reader, [refs[i] for i in ids], 300, torch.float32) for ids in plan]
+    reader.reset_read_ahead()
+    want, before = [], set()  # each window asks for itself and the next, less what the previous one asked for
+    for w, after in zip(windows, windows[1:]):
+        named = list(dict.fromkeys(w + after))
+        want += [s for s in named if s not in before]
+        before = set(named)
+    assert len(windows) >= 3 and asked == want
+    plain = FeatureReader(features[0])
+    for ids, batch in zip(plan, got):
+        assert_identical(batch, reference_batch(plain, [refs[i] for i in ids], 300, torch.float32))
+    before = len(asked)
+    load_batch(reader, refs[1:3], 300, torch.float32)
+    assert len(asked) == before

@@ -33,11 +33,61 @@ class Batch:
         return int(self.tokens.numel())
 
 
+# Shards per shuffle window. Each epoch visits the shards in a seeded order, W at a time; a window's sequences are
+# shuffled among themselves and cut into batches, so a batch draws on at most W shard files and the loader can read
+# each window's files whole and in order, one window ahead (``load_batch``), instead of scattered rows from every
+# shard. Memory: about two windows of shard files in the page cache. A dataset with fewer shards than W is one window
+# per epoch, a global shuffle.
+SHARD_WINDOW = 4
+
+
+def plan_windows(refs: list[SequenceRef], seed: int, epoch: int) -> list[list[str]]:
+    """The shard files of each window of one epoch, in visiting order (a seeded permutation of the shards, cut
+    into consecutive runs of ``SHARD_WINDOW``)."""
+    shards = list(dict.fromkeys(r.shard for r in refs))
+    perm = torch.randperm(len(shards), generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
+    order = [shards[i] for i in perm]
+    return [order[i : i + SHARD_WINDOW] for i in range(0, len(order), SHARD_WINDOW)]
+
+
 def plan_batches(refs: list[SequenceRef], batch_tokens: int, seed: int, epoch: int) -> list[list[int]]:
-    """Indices into ``refs`` for each batch of one epoch: a seeded shuffle cut greedily by ``batch_tokens``."""
-    order = torch.randperm(len(refs), generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
-    lengths = [min(refs[i].stop - refs[i].start, batch_tokens) for i in order]
-    return [[order[j] for j in group] for group in group_by_tokens(lengths, batch_tokens)]
+    """Indices into ``refs`` for each batch of one epoch: window by window (``plan_windows``), a seeded shuffle of
+    the window's sequences cut greedily by ``batch_tokens``; no batch spans two windows.
+
+    Also records, for ``load_batch``, which window each batch belongs to and which comes next (the first window of
+    the next epoch after the last), so that it can ask for whole shard files ahead of their rows.
+    """
+    windows = plan_windows(refs, seed, epoch)
+    after = windows[1:] + plan_windows(refs, seed, epoch + 1)[:1]  # what each window's successor is
+    gen = torch.Generator().manual_seed((seed * 1000 + epoch) * 7919 + 1)
+    by_shard: dict[str, list[int]] = {}
+    for i, r in enumerate(refs):
+        by_shard.setdefault(r.shard, []).append(i)
+    plan, ahead = [], {}
+    for w, shards in enumerate(windows):
+        members = [i for s in shards for i in by_shard[s]]
+        order = [members[j] for j in torch.randperm(len(members), generator=gen).tolist()]
+        lengths = [min(refs[i].stop - refs[i].start, batch_tokens) for i in order]
+        readahead = tuple(dict.fromkeys(shards + after[w]))
+        for group in group_by_tokens(lengths, batch_tokens):
+            plan.append([order[j] for j in group])
+            ahead[refs[plan[-1][0]]] = readahead
+    global _readahead
+    _readahead = ahead
+    return plan
+
+
+# The latest plan's batches, by their first sequence: shard files of the batch's window and of the next window.
+_readahead: dict[SequenceRef, tuple[str, ...]] = {}
+
+
+def read_ahead(reader: FeatureReader, refs: list[SequenceRef]) -> None:
+    """If ``refs`` is a batch of the latest ``plan_batches``, hand its window's and the next window's shard files
+    to ``reader.read_ahead`` (read whole in the background; a no-op for files already asked for). Other batches
+    (validation's) ask for nothing."""
+    ahead = _readahead.get(refs[0]) if refs else None
+    if ahead is not None:
+        reader.read_ahead(ahead)
 
 
 def load_batch(reader: FeatureReader, refs: list[SequenceRef], batch_tokens: int, dtype: torch.dtype) -> Batch:
@@ -47,6 +97,10 @@ def load_batch(reader: FeatureReader, refs: list[SequenceRef], batch_tokens: int
     reuses) and converted once into a new tensor, with numpy on this thread only: the trainer's prefetch thread
     never enters torch's intra-op pool that the training step is using. The result is bit for bit what packing
     ``reader.load(ref)`` sequence by sequence with torch's conversions gives.
+
+    For a batch of the latest ``plan_batches``, the shard files of its window and of the next one are first handed
+    to ``reader.read_ahead`` (whole-file readahead in the background, once per window), so that from the second
+    window on its rows come from the page cache while the disk reads the next window sequentially.
     """
     lengths = [min(r.stop - r.start, batch_tokens) for r in refs]
     cu = [0, *itertools.accumulate(lengths)]
@@ -55,6 +109,7 @@ def load_batch(reader: FeatureReader, refs: list[SequenceRef], batch_tokens: int
     names = ["input_ids", "loss_mask", "hidden"] + (["topk_logprobs", "topk_ids"] if k else [])
     layout = {name: reader.row_layout(name) for name in names}
     raw = {name: _staging(name, n * stored.itemsize * math.prod(row)) for name, (stored, row) in layout.items()}
+    read_ahead(reader, refs)
     reader.read_rows(refs, lengths, raw)
 
     def convert(name: str, to: torch.dtype, last_layer: bool = False) -> torch.Tensor:
