@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -174,6 +175,16 @@ def test_trainer_stops_on_sigusr1_with_a_checkpoint_and_resumes_to_the_same_weig
 
 # ---- on a real local cluster -----------------------------------------------------------------------------
 
+def free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    for sock in sockets:
+        sock.bind(("127.0.0.1", 0))
+    ports = [sock.getsockname()[1] for sock in sockets]
+    for sock in sockets:
+        sock.close()
+    return ports
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """slurmctld and slurmd n1, n2 on localhost for this module; SLURM_CONF points the commands at them."""
@@ -183,8 +194,10 @@ def cluster(tmp_path_factory):
             pytest.fail(f"CI must run the SLURM tests, but {reason}")
         pytest.skip(reason)
     state = tmp_path_factory.mktemp("slurm-state")
+    ports = free_ports(3)  # so that test runs side by side get clusters of their own
+    env = {**os.environ, "MTP_SLURM_CTLD_PORT": str(ports[0]), "MTP_SLURM_NODE_PORTS": f"{ports[1]} {ports[2]}"}
     start = subprocess.run(["timeout", "900", "bash", str(HARNESS / "start.sh"), str(state)], capture_output=True,
-                           text=True)
+                           text=True, env=env)
     assert start.returncode == 0, f"tests/slurm/start.sh failed:\n{start.stderr[-3000:]}"
     saved = os.environ.get("SLURM_CONF")
     os.environ["SLURM_CONF"] = ENV["SLURM_CONF"] = str(state / "slurm.conf")

@@ -8,6 +8,9 @@
 # missing. The nodes are emulated: both slurmd run on this machine on their own ports, and each claims
 # MTP_SLURM_NODE_CPUS CPUs (default 2) whatever the machine has (SlurmdParameters=config_overrides).
 # Ports: MTP_SLURM_CTLD_PORT (default 16817) and MTP_SLURM_NODE_PORTS (default "17001 17002").
+# Several clusters can run side by side (say, two test runs at once) when each gets its own ports: each
+# has its own munged (socket in /run/munge, named after STATE_DIR) and its own job ids (FirstJobId is
+# drawn at random, so that job-id-derived rendezvous ports differ too).
 set -euo pipefail
 
 STATE=${1:?usage: start.sh STATE_DIR}
@@ -35,18 +38,20 @@ done
 mkdir -p "$STATE"
 STATE=$(cd "$STATE" && pwd)
 
-# munge: reuse a running munged, otherwise start one as the munge user (its key made if missing).
-if ! timeout 10 munge -n </dev/null >/dev/null 2>&1; then
-    [ -s /etc/munge/munge.key ] || mungekey --create --keyfile /etc/munge/munge.key
-    chown munge:munge /etc/munge/munge.key && chmod 0400 /etc/munge/munge.key
-    mkdir -p /run/munge /var/log/munge /var/lib/munge
-    chown munge:munge /run/munge /var/log/munge /var/lib/munge
-    rm -f /run/munge/munged.pid
-    runuser -u munge -- munged --pid-file=/run/munge/munged.pid
-    for _ in $(seq 50); do timeout 5 munge -n </dev/null >/dev/null 2>&1 && break; sleep 0.1; done
-    timeout 10 munge -n </dev/null >/dev/null 2>&1 || die "munged did not start"
-    cp /run/munge/munged.pid "$STATE/munged.pid"  # ours to stop (STATE may be closed to the munge user)
-fi
+# munge: a munged of our own, as the munge user, on a socket named after STATE (which may be closed to the
+# munge user, so its files live in /run/munge); the key is made if missing.
+ID=$(printf '%s' "$STATE" | sha256sum | cut -c1-12)
+SOCKET=/run/munge/mtp-test-$ID.socket
+[ -s /etc/munge/munge.key ] || mungekey --create --keyfile /etc/munge/munge.key
+chown munge:munge /etc/munge/munge.key && chmod 0400 /etc/munge/munge.key
+mkdir -p /run/munge /var/log/munge /var/lib/munge
+chown munge:munge /run/munge /var/log/munge /var/lib/munge
+rm -f "/run/munge/mtp-test-$ID.pid"
+runuser -u munge -- munged --socket="$SOCKET" --pid-file="/run/munge/mtp-test-$ID.pid" \
+    --log-file="/var/log/munge/mtp-test-$ID.log" --seed-file="/var/lib/munge/mtp-test-$ID.seed"
+for _ in $(seq 50); do timeout 5 munge -n --socket="$SOCKET" </dev/null >/dev/null 2>&1 && break; sleep 0.1; done
+timeout 10 munge -n --socket="$SOCKET" </dev/null >/dev/null 2>&1 || die "munged did not start"
+cp "/run/munge/mtp-test-$ID.pid" "$STATE/munged.pid"  # for stop.sh
 
 mkdir -p "$STATE/ctld" "$STATE/spool"
 {
@@ -59,7 +64,8 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=cred_expire=10
+AuthInfo=socket=$SOCKET,cred_expire=10
+FirstJobId=$((RANDOM * 16 + 1))
 StateSaveLocation=$STATE/ctld
 SlurmdSpoolDir=$STATE/spool/%n
 SlurmctldPidFile=$STATE/slurmctld.pid
