@@ -75,10 +75,12 @@ def run_eval(recipe: Recipe, baseline: Path | None = None) -> Path:
     start = time.perf_counter()
     torch.manual_seed(recipe.seed)
     engine, drafter, mode, head_validation = _load(recipe)
+    leader = engine.tp.is_leader  # under TP every rank decodes; the leader drafts, decides and writes
     prompts, token_ids, skipped = _prompts(recipe, engine)
     e = recipe.eval
-    print(f"eval: {mode}, {len(prompts)} prompts from {', '.join(e.prompt_sets)}, k={e.k}, T={e.temperatures}, "
-          f"batch {e.batch_size}", file=sys.stderr)
+    if leader:
+        print(f"eval: {mode}, {len(prompts)} prompts from {', '.join(e.prompt_sets)}, k={e.k}, T={e.temperatures}, "
+              f"batch {e.batch_size}", file=sys.stderr)
     plain = {}
     for temperature in e.temperatures:
         params = [SamplingParams(temperature=temperature, max_new_tokens=e.max_new_tokens,
@@ -97,8 +99,11 @@ def run_eval(recipe: Recipe, baseline: Path | None = None) -> Path:
     validation = head_validation() if head_validation else None
     report = _report(recipe, mode, sweep, lossless, detail, validation, key, skipped, len(prompts))
     report.comparisons = comparisons
-    paths = write_report(report, out, baseline if baseline is not None else recipe.eval.baseline)
-    print(f"eval: report -> {paths['html']} ({time.perf_counter() - start:.0f}s)", file=sys.stderr)
+    if leader:
+        paths = write_report(report, out, baseline if baseline is not None else recipe.eval.baseline)
+        print(f"eval: report -> {paths['html']} ({time.perf_counter() - start:.0f}s)", file=sys.stderr)
+    if engine.tp.size > 1:
+        torch.distributed.barrier()
     return out
 
 
@@ -119,10 +124,13 @@ def _load(recipe: Recipe) -> tuple[Engine, Drafter, str, Any]:
     from mtp_train.models.checkpoint import load_transformer
     from mtp_train.runtime.device import default_device, resolve_dtype
     from mtp_train.runtime.speculative import DraftModelDrafter, HeadDrafter
+    from mtp_train.runtime.tp import init_tensor_parallel
 
     device = default_device()
     dtype = resolve_dtype(recipe.target.dtype, device)
-    engine = Engine.from_pretrained(recipe.target.path, dtype=dtype, device=device, max_seqs=recipe.eval.batch_size)
+    tp = init_tensor_parallel(recipe.target.tp, device)  # under torchrun --nproc_per_node TP
+    engine = Engine.from_pretrained(recipe.target.path, dtype=dtype, device=device, tp=tp,
+                                    max_seqs=recipe.eval.batch_size)
     if recipe.eval.draft_model is not None:
         draft = load_transformer(recipe.eval.draft_model, dtype=dtype, device=device)
         return engine, DraftModelDrafter(engine, draft), "draft_target", None
@@ -230,10 +238,11 @@ def _sweep(name: str, engine: Engine, drafter: Drafter, prompts, token_ids, plai
             c = (t.draft_s / max(1, t.draft_forwards)) / (plain_s / max(1, plain_steps))
             point = _sweep_point(k, temperature, prompts, token_ids, results, c, plain_s / spec_s, same)
             points.append(point)
-            print(f"eval: {name} k={k} T={temperature:g}: tau {point.tau:.3f}, alpha "
-                  f"{[round(a, 3) for a in point.alpha]}, c {c:.3f}, expected x{point.expected_speedup:.2f}, "
-                  f"measured x{point.measured_speedup:.2f}" + ("" if same is None else f", lossless {same}"),
-                  file=sys.stderr)
+            if engine.tp.is_leader:
+                print(f"eval: {name} k={k} T={temperature:g}: tau {point.tau:.3f}, alpha "
+                      f"{[round(a, 3) for a in point.alpha]}, c {c:.3f}, expected x{point.expected_speedup:.2f}, "
+                      f"measured x{point.measured_speedup:.2f}" + ("" if same is None else f", lossless {same}"),
+                      file=sys.stderr)
     return points
 
 

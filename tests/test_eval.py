@@ -101,3 +101,29 @@ def test_eval_without_a_trained_head_is_a_one_line_error(trained_run, tmp_path):
     proc = run_cli("eval", trained_run, f"output_dir={tmp_path / 'empty'}")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "no trained head" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_eval_under_tensor_parallelism_equals_tp1(trained_run, tmp_path):
+    """torchrun with target.tp=2 (gloo): the target is sharded, the head drafts on the leader, same report."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    if not (trained_run.parent / "run" / "eval" / "report.json").is_file():
+        assert run_cli("eval", trained_run, timeout=600).returncode == 0
+    tp1 = report(trained_run)
+    run = tmp_path / "run"
+    shutil.copytree(trained_run.parent / "run" / "features", run / "features")
+    shutil.copytree(trained_run.parent / "run" / "heads", run / "heads")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+           "mtp_train.cli", "eval", str(trained_run), f"output_dir={run}", "target.tp=2"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "ACCELERATE_USE_CPU": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tp2 = json.loads((run / "eval" / "report.json").read_text())
+    assert tp2["lossless"] is True
+    assert [(p["k"], p["tau"], p["alpha"]) for p in tp2["sweep"]] == [(p["k"], p["tau"], p["alpha"]) for p in tp1["sweep"]]
+    for a, b in zip(tp2["val_loss"], tp1["val_loss"]):
+        assert a == pytest.approx(b, rel=1e-3)
