@@ -18,7 +18,7 @@ from mtp_train.runtime.sampling import SamplingParams
 from mtp_train.runtime.speculative import DraftModelDrafter, HeadDrafter, SpeculativeDecoder
 from mtp_train.train.checkpoint import load_head
 
-GREEDY = SamplingParams(max_new_tokens=16, stop_token_ids=())
+GREEDY = SamplingParams(max_new_tokens=12, stop_token_ids=())
 PRESSURE_PAGES = 40  # 640 slots for 8 sequences of up to ~150 tokens, K/V for target and draft: preemptions
 
 
