@@ -216,12 +216,9 @@ class BigramDrafter(Drafter):
 
 @dataclass
 class SpecTimings:
-    """Wall time spent drafting (chain and re-sync forwards) and verifying, and the step counts."""
+    """Wall time spent drafting in decode steps (chain and re-sync forwards), and how many forwards that was."""
 
     draft_s: float = 0.0
-    verify_s: float = 0.0
-    verify_steps: int = 0
-    draft_tokens: int = 0  # tokens proposed, summed over sequences and steps
     draft_forwards: int = 0  # batched draft forwards in decode steps (k - 1 chain steps and one re-sync each)
 
 
@@ -336,20 +333,16 @@ class SpeculativeDecoder:
                 packed[b, : len(d)] = torch.tensor(d, dtype=torch.int64)
             packed = tp.broadcast(packed.to(engine.device)).cpu()
             drafts = [[int(x) for x in row[:k]] for row, (_, k) in zip(packed, batch)]
-        t0 = time.perf_counter()
         scheduled = [(seq, [seq.tokens[-1]] + d) for (seq, _), d in zip(batch, drafts)]
         meta, hidden, _ = engine.run_scheduled(scheduled)
         logits = engine.model.logits(hidden)
-        self.timings.verify_s += time.perf_counter() - t0
-        self.timings.verify_steps += 1
         decisions = torch.zeros(len(batch), 2, dtype=torch.int64)
         if self.drafter.leader:
-            for b, (seq, k) in enumerate(batch):
+            for b, (seq, _) in enumerate(batch):
                 rows = logits[int(meta.qo_indptr[b]) : int(meta.qo_indptr[b + 1])]
                 p = target_distribution(rows, seq.params)
                 a, token = accept_draft(torch.tensor(drafts[b], dtype=torch.int64), qs[b], p, seq.generator)
                 decisions[b] = torch.tensor([a, token])
-                self.timings.draft_tokens += k
         decisions = tp.broadcast(decisions.to(engine.device)).cpu().tolist()
         feeds = []
         for b, ((seq, _), (a, token)) in enumerate(zip(batch, decisions)):
