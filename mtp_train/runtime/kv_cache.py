@@ -1,7 +1,8 @@
 """Paged KV cache: one page allocator shared by every model of an engine, and a page pool per model.
 
-A page id indexes the same page in every pool, so one allocation reserves KV room for the
-target and the draft at once, and freeing or truncating a sequence releases both.
+Every pool is indexed by the same page ids. A speculative draft keeps its own page table per
+sequence (``Sequence.draft_pages``) drawn from the same allocator as the target's, so target and draft
+compete for one budget, and preempting or retiring a sequence releases both.
 """
 
 from __future__ import annotations
