@@ -105,7 +105,21 @@ class Drafter:
             self.carried[f.seq.request_id] = (logits[i], last[i])
 
 
-class DraftModelDrafter(Drafter):
+class TokenDrafter(Drafter):
+    """A draft that reads tokens only (no target hidden states): it holds every token of the sequence and
+    catches up by feeding the ones it has not seen."""
+
+    def valid(self, seq: Sequence) -> int:
+        return len(seq.tokens)
+
+    def feed(self, seq: Sequence, draft_valid: int, target_start: int, target_hidden: torch.Tensor) -> Feed:
+        return Feed(seq, draft_valid, seq.tokens[draft_valid:])
+
+    def chain_input(self, seq: Sequence, token: int) -> Feed:
+        return Feed(seq, 0, [token])
+
+
+class DraftModelDrafter(TokenDrafter):
     """Draft-target: a small LLM of any supported family, sharing the target's tokenizer."""
 
     name = "draft_target"
@@ -119,15 +133,6 @@ class DraftModelDrafter(Drafter):
 
     def kv_config(self):
         return self.model.cfg
-
-    def valid(self, seq: Sequence) -> int:
-        return len(seq.tokens)
-
-    def feed(self, seq: Sequence, draft_valid: int, target_start: int, target_hidden: torch.Tensor) -> Feed:
-        return Feed(seq, draft_valid, seq.tokens[draft_valid:])
-
-    def chain_input(self, seq: Sequence, token: int) -> Feed:
-        return Feed(seq, 0, [token])
 
     def run(self, tokens, positions, hidden, plan):
         return self.model(tokens, positions, plan, self.kv.layers)[0]
@@ -168,7 +173,7 @@ class HeadDrafter(Drafter):
         return self.target.output(self.head.lm_head_input(out)).float()
 
 
-class BigramDrafter(Drafter):
+class BigramDrafter(TokenDrafter):
     """The baseline draft: each token's most frequent successor in the training data (no K/V, no network).
 
     Its distribution is one-hot, a valid draft distribution at any temperature (a token is then accepted
@@ -194,15 +199,6 @@ class BigramDrafter(Drafter):
 
     def kv_config(self):
         return self.engine.cfg
-
-    def valid(self, seq: Sequence) -> int:
-        return len(seq.tokens)
-
-    def feed(self, seq: Sequence, draft_valid: int, target_start: int, target_hidden: torch.Tensor) -> Feed:
-        return Feed(seq, draft_valid, seq.tokens[draft_valid:])
-
-    def chain_input(self, seq: Sequence, token: int) -> Feed:
-        return Feed(seq, 0, [token])
 
     def forward(self, feeds: list[Feed]) -> None:
         if not self.leader:
