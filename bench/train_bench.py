@@ -102,7 +102,7 @@ def per_sequence_batch(reader, refs, batch_tokens: int, dtype: torch.dtype):
 
     return Batch(cat("input_ids", lambda t: t.long()), cat("hidden", lambda t: t[:, -1].to(dtype)),
                  cat("loss_mask", lambda t: t.bool()), cat("topk_logprobs", lambda t: t.to(dtype)),
-                 cat("topk_ids", lambda t: t.long()), cu)
+                 cat("topk_ids", lambda t: t.long()), cat("tail_logprob", lambda t: t.float()), cu)
 
 
 def main() -> None:

@@ -44,6 +44,7 @@ def runtime_batches(engine: Engine, reader: FeatureReader) -> Iterator[Batch]:
             loss_mask=torch.cat([p["loss_mask"].bool() for p in parts]),
             topk_logprobs=out.topk_logprobs.float(),
             topk_ids=out.topk_ids.long(),
+            tail_logprob=out.tail_logprob.float(),
             cu_seqlens=out.cu_seqlens.tolist(),
         )
 

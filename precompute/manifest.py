@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from mtp_train.errors import UserError
 from mtp_train.hf_checkpoint import find_checkpoint
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: shards hold ``tail_logprob`` (the exact mass outside the top-K)
 MERGED = "manifest.json"
 
 
@@ -116,6 +116,10 @@ def save_manifest(path: Path, manifest: Manifest) -> None:
 def load_manifest(path: Path) -> Manifest:
     data = json.loads(path.read_text(encoding="utf-8"))
     data.pop("totals", None)
+    version = data.get("format_version") if isinstance(data, dict) else None
+    if version != FORMAT_VERSION:
+        raise UserError(f"{path}: features format {version} is not this toolkit's format {FORMAT_VERSION}; "
+                        "rerun precompute with --overwrite")
     return Manifest.model_validate(data)
 
 

@@ -41,7 +41,7 @@ class FeatureReader:
 
     ``load(ref)`` returns that sequence's tensors: ``input_ids [n]`` int32, ``loss_mask [n]`` uint8,
     ``hidden [n, L, H]`` bf16, ``logsumexp [n]`` float32 and, when K > 0, ``topk_logprobs [n, K]``
-    bf16 and ``topk_ids [n, K]`` int32. ``read_rows`` reads many sequences' rows of several tensors, each
+    bf16, ``topk_ids [n, K]`` int32 and ``tail_logprob [n]`` float32. ``read_rows`` reads many sequences' rows of several tensors, each
     packed into one buffer (the trainer's batches); it is safe to call from several threads at once.
     """
 
@@ -79,7 +79,7 @@ class FeatureReader:
         f = self._open(ref.shard)
         names = ["input_ids", "loss_mask", "hidden", "logsumexp"]
         if self.manifest.topk:
-            names += ["topk_logprobs", "topk_ids"]
+            names += ["topk_logprobs", "topk_ids", "tail_logprob"]
         return {name: f.rows(name, ref.start, ref.stop) for name in names}
 
     def _file(self, shard: str) -> ShardFile:

@@ -35,6 +35,7 @@ def _expected(manifest: Manifest, t: int, s: int) -> dict[str, tuple[tuple[int, 
     if manifest.topk:
         shapes["topk_logprobs"] = ((t, manifest.topk), "BF16")
         shapes["topk_ids"] = ((t, manifest.topk), "I32")
+        shapes["tail_logprob"] = ((t,), "F32")
     return shapes
 
 

@@ -132,6 +132,8 @@ def test_score_matches_transformers_hidden_states_and_topk(tmp_path):
         assert torch.equal(out.topk_ids[a:b], ids)
         assert (out.topk_logprobs[a:b] - values).abs().max() <= 1e-5
         assert (out.logsumexp[a:b] - torch.logsumexp(ref.logits[0].float(), -1)).abs().max() <= 1e-5
+        rest = torch.log_softmax(ref.logits[0].double(), -1).scatter(-1, ids, float("-inf")).logsumexp(-1)
+        assert (out.tail_logprob[a:b].double() - rest).abs().max() <= 1e-4, "exact mass outside the top-K"
     hook.remove()
     assert engine.allocator.num_free == engine.allocator.num_pages
 

@@ -14,7 +14,7 @@ from mtp_train.errors import UserError
 from mtp_train.train.data import Batch, load_batch, plan_batches
 from precompute_helpers import make_recipe, sgd_rows, write_jsonl
 
-FIELDS = ("tokens", "hidden", "loss_mask", "topk_logprobs", "topk_ids")
+FIELDS = ("tokens", "hidden", "loss_mask", "topk_logprobs", "topk_ids", "tail_logprob")
 
 
 def _precompute(tmp, rows, **precompute):
@@ -55,6 +55,7 @@ def reference_batch(reader, refs, batch_tokens, dtype) -> Batch:
         loss_mask=cat("loss_mask", lambda t: t.bool()),
         topk_logprobs=cat("topk_logprobs", lambda t: t.to(dtype)) if k else torch.zeros(cu[-1], 0),
         topk_ids=cat("topk_ids", lambda t: t.long()) if k else torch.zeros(cu[-1], 0, dtype=torch.long),
+        tail_logprob=cat("tail_logprob", lambda t: t.float()) if k else torch.zeros(cu[-1]),
         cu_seqlens=cu,
     )
 

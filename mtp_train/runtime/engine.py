@@ -42,7 +42,9 @@ class ScoreOutput:
     - ``cu_seqlens [S+1]`` int64 offsets of the sequences;
     - ``hidden [T, L, H]``: outputs of the requested layers; the last layer is taken **before** the final norm;
     - ``topk_logprobs [T, K]`` float32 and ``topk_ids [T, K]`` int64: the target's top-K next-token log-probs;
-    - ``logsumexp [T]`` float32: log-sum-exp of the full logits, so the probabilities are recoverable.
+    - ``logsumexp [T]`` float32: log-sum-exp of the full logits, so the probabilities are recoverable;
+    - ``tail_logprob [T]`` float32: log of the probability mass outside the top-K, computed exactly from the
+      full logits (``-inf`` where K covers the vocabulary; ``0`` when K = 0).
     """
 
     cu_seqlens: torch.Tensor
@@ -50,6 +52,7 @@ class ScoreOutput:
     topk_logprobs: torch.Tensor
     topk_ids: torch.Tensor
     logsumexp: torch.Tensor
+    tail_logprob: torch.Tensor
     layers: list[int] = field(default_factory=list)
 
 
@@ -207,7 +210,7 @@ class Engine:
         for lid in layers:
             if not -n_layers <= lid < n_layers:
                 raise ValueError(f"layer {lid} is out of range for a {n_layers}-layer model")
-        hidden, lp, ids, lse = [], [], [], []
+        hidden, lp, ids, lse, tail = [], [], [], [], []
         start = 0
         while start < len(sequences):
             stop, total = start, 0
@@ -223,17 +226,18 @@ class Engine:
                     ) from None
                 stop = start + (stop - start) // 2  # fewer sequences per batch, then retry
                 continue
-            for acc, part in zip((hidden, lp, ids, lse), out):
+            for acc, part in zip((hidden, lp, ids, lse, tail), out):
                 acc.append(part)
             start = stop
         lens = torch.tensor([len(s) for s in sequences], dtype=torch.int64)
         cu = torch.zeros(len(sequences) + 1, dtype=torch.int64)
         cu[1:] = torch.cumsum(lens, 0)
-        return ScoreOutput(cu, torch.cat(hidden), torch.cat(lp), torch.cat(ids), torch.cat(lse), layer_ids)
+        return ScoreOutput(cu, torch.cat(hidden), torch.cat(lp), torch.cat(ids), torch.cat(lse), torch.cat(tail),
+                           layer_ids)
 
     def _score_batch(
         self, batch: list[list[int]], layer_ids: list[int], topk: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         seqs = [Sequence(i, [], SamplingParams(), frozenset(), 0) for i in range(len(batch))]
         try:
             last = self.cfg.num_layers - 1
@@ -242,15 +246,16 @@ class Engine:
             by_layer = dict(zip(inner, captured))
             by_layer[last] = final
             hidden = torch.stack([by_layer[lid] for lid in layer_ids], dim=1)
-            lps, ids, lses = [], [], []
+            lps, ids, lses, tails = [], [], [], []
             for i in range(0, final.shape[0], LOGITS_CHUNK):
-                logits = self.model.logits(final[i : i + LOGITS_CHUNK])
+                logits = self.model.logits(final[i : i + LOGITS_CHUNK]).float()
                 lse = torch.logsumexp(logits, dim=-1)
                 values, idx = torch.topk(logits, topk, dim=-1) if topk else (logits[:, :0], logits[:, :0].long())
                 lps.append(values - lse[:, None])
                 ids.append(idx)
                 lses.append(lse)
-            return hidden, torch.cat(lps), torch.cat(ids), torch.cat(lses)
+                tails.append(torch.logsumexp(logits.scatter(-1, idx, float("-inf")), dim=-1) - lse)
+            return hidden, torch.cat(lps), torch.cat(ids), torch.cat(lses), torch.cat(tails)
         finally:
             for seq in seqs:
                 self.release(seq)

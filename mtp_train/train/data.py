@@ -17,8 +17,9 @@ from precompute.run import group_by_tokens
 @dataclass
 class Batch:
     """Packed documents: ``tokens [N]`` int64, ``hidden [N, H]`` float (last layer, pre-norm),
-    ``loss_mask [N]`` bool, ``topk_logprobs [N, K]`` float, ``topk_ids [N, K]`` int64, and
-    ``cu_seqlens`` (Python list, D+1 offsets). Row t's top-K is the target's distribution of token t+1.
+    ``loss_mask [N]`` bool, ``topk_logprobs [N, K]`` float, ``topk_ids [N, K]`` int64, ``tail_logprob [N]``
+    float32 (log of the mass outside the top-K, exact) and ``cu_seqlens`` (Python list, D+1 offsets). Row t's
+    top-K is the target's distribution of token t+1.
     """
 
     tokens: torch.Tensor
@@ -26,6 +27,7 @@ class Batch:
     loss_mask: torch.Tensor
     topk_logprobs: torch.Tensor
     topk_ids: torch.Tensor
+    tail_logprob: torch.Tensor
     cu_seqlens: list[int]
 
     @property
@@ -106,7 +108,7 @@ def load_batch(reader: FeatureReader, refs: list[SequenceRef], batch_tokens: int
     cu = [0, *itertools.accumulate(lengths)]
     n = cu[-1]
     k = reader.manifest.topk
-    names = ["input_ids", "loss_mask", "hidden"] + (["topk_logprobs", "topk_ids"] if k else [])
+    names = ["input_ids", "loss_mask", "hidden"] + (["topk_logprobs", "topk_ids", "tail_logprob"] if k else [])
     layout = {name: reader.row_layout(name) for name in names}
     raw = {name: _staging(name, n * stored.itemsize * math.prod(row)) for name, (stored, row) in layout.items()}
     read_ahead(reader, refs)
@@ -123,6 +125,7 @@ def load_batch(reader: FeatureReader, refs: list[SequenceRef], batch_tokens: int
         loss_mask=convert("loss_mask", torch.bool),
         topk_logprobs=convert("topk_logprobs", dtype) if k else torch.zeros(n, 0),
         topk_ids=convert("topk_ids", torch.long) if k else torch.zeros(n, 0, dtype=torch.long),
+        tail_logprob=convert("tail_logprob", torch.float32) if k else torch.zeros(n),
         cu_seqlens=cu,
     )
 

@@ -7,10 +7,12 @@ does at inference). It predicts t_{i+2+j}, so it is matched to the target's hidd
 t_{i+2+j} (KL(target || draft)). Only positions whose label token has ``loss_mask == 1`` count;
 labels never cross a document boundary. Step j's loss is weighted by ``decay**j``.
 
-Top-K teacher: the target's top-K probabilities plus one bucket for the rest of the mass
-(1 - their sum); the draft is coarse-grained the same way (its mass on those K tokens, and the
-rest). The KL between these K+1-bucket distributions is exact when K covers the mass, and a
-lower bound of the full KL otherwise. ``exact`` recomputes ``lm_head(final_norm(h))`` instead.
+Top-K teacher: the target's top-K probabilities plus one bucket for the rest of the mass, read
+from the stored fp32 ``tail_logprob`` (computed from the full logits, not from the bf16 top-K);
+the bf16 top-K probabilities are rescaled to hold exactly the rest. The draft is coarse-grained
+the same way (its mass on those K tokens, and the rest, both in fp32 log space). The KL between
+these K+1-bucket distributions is exact when K covers the mass, and a lower bound of the full
+KL otherwise (``bench/topk_kl.py`` measures how far). ``exact`` recomputes ``lm_head(final_norm(h))`` instead.
 """
 
 from __future__ import annotations
@@ -41,14 +43,20 @@ class StepMetrics:
     count: int
 
 
-def _kl_topk(draft_logp: torch.Tensor, lp: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Per-row KL over K+1 buckets: ``draft_logp [n, V]``, stored ``lp, ids [n, K]`` -> ``[n]``."""
-    p = lp.float().exp()
-    rest_p = (1.0 - p.sum(-1)).clamp(min=1e-8)
+def kl_topk(draft_logp: torch.Tensor, lp: torch.Tensor, ids: torch.Tensor, tail_lp: torch.Tensor) -> torch.Tensor:
+    """Per-row KL over K+1 buckets: ``draft_logp [n, V]``, stored ``lp, ids [n, K]`` and ``tail_lp [n]`` -> ``[n]``.
+
+    The top-K log-probs are shifted so that their mass is exactly ``1 - exp(tail_lp)``.
+    """
+    tail_lp = tail_lp.float()
+    head_mass = -torch.expm1(tail_lp).clamp(max=-1e-12)  # 1 - tail, > 0
+    lp = lp.float()
+    lp = lp - torch.logsumexp(lp, -1, keepdim=True) + head_mass.log()[:, None]
     q_logk = draft_logp.gather(-1, ids)
-    rest_q = (1.0 - q_logk.exp().sum(-1)).clamp(min=1e-8)
-    kl = (p * (lp.float() - q_logk)).sum(-1)
-    return kl + rest_p * (rest_p.log() - rest_q.log())
+    rest_q_log = torch.log(-torch.expm1(torch.logsumexp(q_logk, -1).clamp(max=-1e-7)))
+    kl = (lp.exp() * (lp - q_logk)).sum(-1)
+    tail = torch.where(tail_lp > -torch.inf, tail_lp.exp() * (tail_lp - rest_q_log), torch.zeros_like(tail_lp))
+    return kl + tail
 
 
 def _step_index(cu: list[int], step: int) -> tuple[torch.Tensor, list[int]]:
@@ -100,7 +108,8 @@ def head_loss(
             kl = (target_logp.exp() * (target_logp - draft_logp)).sum(-1)
             target_top1 = target_logp.argmax(-1)
         else:
-            kl = _kl_topk(draft_logp, batch.topk_logprobs[target_rows], batch.topk_ids[target_rows])
+            kl = kl_topk(draft_logp, batch.topk_logprobs[target_rows], batch.topk_ids[target_rows],
+                         batch.tail_logprob[target_rows])
             target_top1 = batch.topk_ids[target_rows, 0]
         step_loss = weights.w_hidden * sl1.mean() + weights.w_logits * kl.mean()
         total = total + (weights.decay**j) * step_loss
