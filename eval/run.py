@@ -157,9 +157,9 @@ def _load(recipe: Recipe) -> tuple[Engine, Drafter, str, Any]:
 
 
 def _prompts(recipe: Recipe, engine: Engine) -> tuple[list[EvalPrompt], list[list[int]], int]:
-    from transformers import AutoTokenizer
+    from precompute.tokenizer import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(recipe.target.path, trust_remote_code=recipe.target.trust_remote_code)
+    tokenizer = load_tokenizer(recipe)
     e = recipe.eval
     prompts: list[EvalPrompt] = []
     for name in e.prompt_sets:

@@ -90,6 +90,11 @@ class DataConfig(Section):
     heldout_rows: NonNegativeInt = Field(
         64, description="Rows set aside by a seeded draw, never trained on; the eval's `heldout` prompt set."
     )
+    chat_template: RecipePath | None = Field(
+        None, description="A `.jinja` chat template that replaces the checkpoint's own (precompute, regeneration "
+        "and eval prompts). Templates without `{% generation %}` markers work: assistant spans are found by "
+        "rendering the conversation.",
+    )
     skip_bad_rows: bool = Field(
         False, description="Skip rows that fit no format (they are counted). Otherwise such a row is an error."
     )

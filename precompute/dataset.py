@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import random
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mtp_train.errors import UserError
+from precompute.chat_mask import chat_masks, require_template
 from precompute.formats import BadRow, Messages, detect_format, to_messages
-
-GENERATION_MARKER = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
 @dataclass
@@ -100,12 +98,8 @@ def rank_slice(row_ids: list[int], rank: int, world: int) -> list[int]:
 
 
 def check_template(tokenizer: Any, source: str) -> None:
-    template = tokenizer.chat_template
-    if not isinstance(template, str) or not GENERATION_MARKER.search(template):
-        raise UserError(
-            f"{source}: the chat template has no {{% generation %}} markers, so assistant tokens cannot be "
-            "masked; use a template that marks assistant turns"
-        )
+    """Refuse a tokenizer without a chat template when the data has chat rows (any template will do)."""
+    require_template(tokenizer, source)
 
 
 def encode(tokenizer: Any, content: Messages | str, max_length: int) -> tuple[list[int], list[int], bool]:
@@ -114,18 +108,20 @@ def encode(tokenizer: Any, content: Messages | str, max_length: int) -> tuple[li
 
 
 def encode_many(
-    tokenizer: Any, contents: list[Messages | str], max_length: int, chunk: int = 256
+    tokenizer: Any, contents: list[Messages | str], max_length: int, row_ids: list[int] | None = None,
+    chunk: int = 256,
 ) -> list[tuple[list[int], list[int], bool]]:
-    """``encode`` for many rows, with the chat template applied a chunk of conversations at a time."""
-    out: list[tuple[list[int], list[int], bool] | None] = [None] * len(contents)
+    """``encode`` for many rows; chat rows are masked a chunk at a time (``precompute.chat_mask``).
+
+    ``row_ids`` name the rows in error messages (default: their positions in ``contents``).
+    """
+    ids_of = row_ids if row_ids is not None else list(range(len(contents)))
+    out: list[tuple[list[int], list[int]] | None] = [None] * len(contents)
     chats = [i for i, c in enumerate(contents) if not isinstance(c, str)]
-    for start in range(0, len(chats), chunk):
-        idx = chats[start : start + chunk]
-        enc = tokenizer.apply_chat_template(
-            [contents[i] for i in idx], tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-        )
-        for i, ids, mask in zip(idx, enc["input_ids"], enc["assistant_masks"]):
-            out[i] = (list(ids), list(mask))
+    if chats:
+        masked = chat_masks(tokenizer, [contents[i] for i in chats], [ids_of[i] for i in chats], chunk)
+        for i, enc in zip(chats, masked):
+            out[i] = enc
     for i, c in enumerate(contents):
         if isinstance(c, str):
             ids = tokenizer(c, add_special_tokens=True)["input_ids"]

@@ -8,6 +8,8 @@ in its manifest match it, and continues with the first missing shard.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import os
 import sys
@@ -19,7 +21,7 @@ import torch
 
 from mtp_train.errors import UserError
 from mtp_train.recipe import Recipe
-from precompute.dataset import Row, check_template, encode_many, heldout_ids, load_rows, rank_slice
+from precompute.dataset import LoadedData, Row, check_template, encode_many, heldout_ids, load_rows, rank_slice
 from precompute.manifest import (
     MERGED,
     Manifest,
@@ -34,6 +36,7 @@ from precompute.manifest import (
     tokenizer_fingerprint,
     union,
 )
+from precompute.tokenizer import load_tokenizer
 from precompute.writer import ShardWriter, crash_point
 
 
@@ -103,7 +106,12 @@ def prepare_directory(out: Path, rank: int, fingerprint: dict[str, str], setting
     for tmp in out.glob(f".{prefix}*.tmp"):
         tmp.unlink()
     path = out / rank_manifest_name(rank)
-    old = load_manifest(path) if path.is_file() else None
+    try:
+        old = load_manifest(path) if path.is_file() else None
+    except UserError:  # another features format
+        if not overwrite:
+            raise
+        old = None
     if old is not None:
         why = _mismatch(old, fingerprint, settings)
         if why and not overwrite:
@@ -146,6 +154,7 @@ def _shard_tensors(scored, rows: list[tuple[list[int], list[int]]], topk: int) -
     if topk:
         tensors["topk_logprobs"] = scored.topk_logprobs.to(torch.bfloat16).cpu().contiguous()
         tensors["topk_ids"] = scored.topk_ids.to(torch.int32).cpu().contiguous()
+        tensors["tail_logprob"] = scored.tail_logprob.float().cpu().contiguous()
     return tensors
 
 
@@ -153,8 +162,6 @@ def run_precompute(
     recipe: Recipe, rank: int | None = None, world: int | None = None, overwrite: bool = False
 ) -> Manifest:
     from tqdm import tqdm
-    from transformers import AutoTokenizer
-
     from mtp_train.runtime.device import default_device, resolve_dtype
     from mtp_train.runtime.engine import Engine
     from mtp_train.runtime.tp import init_tensor_parallel
@@ -162,7 +169,7 @@ def run_precompute(
     start = time.perf_counter()
     worker = resolve_worker(rank, world, recipe.target.tp)
     out, target = recipe.features_dir, recipe.target.path
-    tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=recipe.target.trust_remote_code)
+    tokenizer = load_tokenizer(recipe)
     settings = recipe_settings(recipe, worker.world)
     for path in recipe.data.train:
         if not path.exists():
@@ -206,11 +213,10 @@ def run_precompute(
         from precompute.regenerate import regenerate
 
         rows = regenerate(rows, tokenizer, engine, recipe.data.sampling)
-    encoded = encode_many(tokenizer, [r.content for r in rows], recipe.data.max_length)
+    encoded = encode_many(tokenizer, [r.content for r in rows], recipe.data.max_length, [r.row_id for r in rows])
+    masked_by_file = mask_fractions(data, rows, encoded)
     masked = sum(sum(m) for _, m, _ in encoded)
     total = sum(len(ids) for ids, _, _ in encoded)
-    if masked == 0:
-        raise UserError(f"{target}: the chat template gave an empty loss mask for every row; nothing to train on")
 
     manifest = old or Manifest(
         ranks=[worker.rank], world_size=worker.world, fingerprint=fingerprint, settings=settings,
@@ -240,6 +246,8 @@ def run_precompute(
     print(f"precompute: rank {worker.rank}/{worker.world}, {len(rows)} rows, {total:,} tokens "
           f"({masked / total:.1%} masked in, {manifest.truncated_rows} truncated to {recipe.data.max_length}), "
           f"{len(plan)} shards, {done} already done", file=sys.stderr)
+    for path, fraction in masked_by_file.items():
+        print(f"precompute: {path}: {fraction:.1%} of its tokens masked in", file=sys.stderr)
     writer = ShardWriter(record) if tp.is_leader else None
     bar = tqdm(total=len(rows), initial=sum(len(p) for p in plan[:done]), unit="row",
                disable=None if tp.is_leader else True, file=sys.stderr)
@@ -271,6 +279,23 @@ def run_precompute(
           f"{totals['bytes_per_token']} bytes/token, {time.perf_counter() - start:.0f}s"
           + (f"; {out / MERGED} covers all {worker.world} rank(s)" if merged else "; waiting for other ranks"))
     return manifest
+
+
+def mask_fractions(data: LoadedData, rows: list[Row], encoded: list[tuple[list[int], list[int], bool]]
+                   ) -> dict[str, float]:
+    """The fraction of tokens masked in, per data file (of this rank's rows); a file with none is refused."""
+    bounds = list(itertools.accumulate(data.file_rows.values()))
+    files = list(data.file_rows)
+    counts: dict[str, list[int]] = {}
+    for row, (ids, mask, _) in zip(rows, encoded):
+        c = counts.setdefault(files[bisect.bisect_right(bounds, row.row_id)], [0, 0])
+        c[0] += sum(mask)
+        c[1] += len(ids)
+    for path, (masked, _) in counts.items():
+        if masked == 0:
+            raise UserError(f"{path}: the chat template gave an empty loss mask for every row of this file; nothing "
+                            "to train on (check its assistant turns, or set data.chat_template)")
+    return {path: masked / max(total, 1) for path, (masked, total) in counts.items()}
 
 
 def heldout_ids_from(all_ids: list[int], recipe: Recipe) -> set[int]:

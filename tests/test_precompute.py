@@ -87,7 +87,7 @@ def test_round_trip_every_row_equals_a_fresh_score(reference):
 def test_manifest_records_the_contract(reference):
     tmp, _, _, manifest = reference
     data = json.loads((tmp / "run/features/manifest.json").read_text())
-    assert data["format_version"] == 1 and data["last_layer_pre_norm"] is True
+    assert data["format_version"] == 2 and data["last_layer_pre_norm"] is True
     assert data["layers"] == [1, 3] and data["topk"] == 8 and data["hidden_size"] == 128
     assert set(data["fingerprint"]) == {"target", "tokenizer", "chat_template", "data", "settings"}
     assert data["totals"]["tokens"] == sum(s["num_tokens"] for s in data["shards"])
@@ -217,17 +217,47 @@ def test_rerun_with_a_changed_recipe_names_the_field_and_overwrite_replaces(refe
     assert json.loads((tmp_path / "run/features/manifest.json").read_text())["topk"] == 4
 
 
-def test_empty_mask_template_is_refused(tmp_path):
+def test_template_without_markers_given_as_data_chat_template_masks_the_same_tokens(tmp_path):
+    template = (TINY_TARGET / "chat_template.jinja").read_text()
+    plain = tmp_path / "plain.jinja"
+    plain.write_text(template.replace("{% generation %}", "").replace("{% endgeneration %}", ""))
+    data = write_jsonl(tmp_path / "d.jsonl", sgd_rows(6))
+    marked_dir, plain_dir = tmp_path / "marked", tmp_path / "plain"
+    marked_dir.mkdir(), plain_dir.mkdir()
+    for where, extra in ((marked_dir, {}), (plain_dir, {"chat_template": str(plain)})):
+        proc = run_precompute_cli(make_recipe(where, data, data=extra))
+        assert proc.returncode == 0, proc.stderr
+        assert f"{data}: " in proc.stderr and "of its tokens masked in" in proc.stderr
+    marked, unmarked = shard_contents(marked_dir / "run/features"), shard_contents(plain_dir / "run/features")
+    assert marked.keys() == unmarked.keys()
+    for row in marked:
+        assert torch.equal(marked[row]["input_ids"], unmarked[row]["input_ids"])
+        assert torch.equal(marked[row]["loss_mask"], unmarked[row]["loss_mask"])
+    fingerprints = [json.loads((d / "run/features/manifest.json").read_text())["fingerprint"]["chat_template"]
+                    for d in (marked_dir, plain_dir)]
+    assert fingerprints[0] != fingerprints[1], "the manifest fingerprints the template actually used"
+
+
+def test_file_whose_mask_is_empty_everywhere_is_refused(tmp_path):
     target = tmp_path / "target"
     shutil.copytree(TINY_TARGET, target)
     template = (target / "chat_template.jinja").read_text()
-    (target / "chat_template.jinja").write_text(template.replace("{% generation %}", "").replace("{% endgeneration %}", ""))
+    empty = template.replace("{% endgeneration %}", "").replace("{% generation %}", "{% generation %}{% endgeneration %}")
+    (target / "chat_template.jinja").write_text(empty)
     data = write_jsonl(tmp_path / "d.jsonl", sgd_rows(3))
     recipe = make_recipe(tmp_path, data, target={"path": str(target)})
     proc = run_precompute_cli(recipe)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "generation" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert f"{data}: " in proc.stderr and "empty loss mask" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
     assert not list((tmp_path / "run").rglob("*.safetensors"))
+
+
+def test_missing_chat_template_file_is_one_line(tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", sgd_rows(2))
+    proc = run_precompute_cli(make_recipe(tmp_path, data, data={"chat_template": str(tmp_path / "nope.jinja")}))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "data.chat_template" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
 def test_bad_row_names_row_and_file_unless_skipping_is_allowed(tmp_path):
