@@ -1,10 +1,11 @@
 """Runtime throughput against transformers, measured side by side in one run (CPU, fp32).
 
-    .venv/bin/python bench/runtime_bench.py
+    .venv/bin/python bench/runtime_bench.py [--smollm2] [--only-smollm2]
 
 1. Packed ``score()`` tokens/s vs a padded transformers forward over the same sequences,
    on the tiny target and on a random Llama (hidden 512, 8 layers).
 2. Greedy decode tokens/s vs ``transformers.generate`` at batch 1 and 8 on the tiny target.
+3. With ``--smollm2``: both again on the real SmolLM2-135M-Instruct (``make smollm2`` fetches it).
 
 Each figure is the best of ``--repeats`` runs, interleaved with the other side's, so a noisy
 neighbour on a shared machine hurts both alike; only the ratios are meant to be compared.
@@ -22,6 +23,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "recipes" / "tiny" / "target"
+SMOLLM2 = REPO / ".cache" / "smollm2-135m-instruct"
 
 
 def paired_best(repeats: int, ours: Callable[[], object], reference: Callable[[], object]) -> tuple[float, float]:
@@ -91,7 +93,7 @@ def bench_score(root: Path, name: str, repeats: int) -> tuple[str, float, float]
     return name, tokens / t_ours, tokens / t_ref
 
 
-def bench_decode(batch: int, repeats: int, new_tokens: int = 64) -> tuple[str, float, float]:
+def bench_decode(root: Path, name: str, batch: int, repeats: int, new_tokens: int = 64) -> tuple[str, float, float]:
     from transformers import AutoModelForCausalLM
 
     from mtp_train.runtime.engine import Engine
@@ -99,8 +101,8 @@ def bench_decode(batch: int, repeats: int, new_tokens: int = 64) -> tuple[str, f
 
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 4000, (n,), generator=g).tolist() for n in lengths(batch, 16, 128, seed=4)]
-    engine = Engine.from_pretrained(TINY)
-    hf = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
+    engine = Engine.from_pretrained(root, dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(root, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None
     params = SamplingParams(max_new_tokens=new_tokens, stop_token_ids=())
     width = max(map(len, prompts))
@@ -119,20 +121,29 @@ def bench_decode(batch: int, repeats: int, new_tokens: int = 64) -> tuple[str, f
 
     t_ours, t_ref = paired_best(repeats, ours, reference)
     generated = batch * new_tokens
-    return f"greedy decode, batch {batch}", generated / t_ours, generated / t_ref
+    return f"greedy decode, {name}, batch {batch}", generated / t_ours, generated / t_ref
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--smollm2", action="store_true", help="also measure the real SmolLM2-135M-Instruct")
+    p.add_argument("--only-smollm2", action="store_true", help="measure SmolLM2-135M-Instruct only")
     args = p.parse_args()
     torch.manual_seed(0)
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        rows.append(bench_score(TINY, "score(), tiny target (1.8M)", args.repeats))
-        rows.append(bench_score(random_llama(Path(tmp)), "score(), random Llama h512 x 8 layers", args.repeats))
-    rows.append(bench_decode(1, args.repeats))
-    rows.append(bench_decode(8, args.repeats))
+    if not args.only_smollm2:
+        with tempfile.TemporaryDirectory() as tmp:
+            rows.append(bench_score(TINY, "score(), tiny target (1.8M)", args.repeats))
+            rows.append(bench_score(random_llama(Path(tmp)), "score(), random Llama h512 x 8 layers", args.repeats))
+        rows.append(bench_decode(TINY, "tiny target", 1, args.repeats))
+        rows.append(bench_decode(TINY, "tiny target", 8, args.repeats))
+    if args.smollm2 or args.only_smollm2:
+        if not (SMOLLM2 / ".complete").is_file():
+            raise SystemExit(f"{SMOLLM2} is absent: run `make smollm2` first")
+        rows.append(bench_score(SMOLLM2, "score(), SmolLM2-135M-Instruct (30 layers)", args.repeats))
+        rows.append(bench_decode(SMOLLM2, "SmolLM2-135M-Instruct", 1, args.repeats, new_tokens=32))
+        rows.append(bench_decode(SMOLLM2, "SmolLM2-135M-Instruct", 8, args.repeats, new_tokens=32))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32 CPU\n")
     print("| what | mtp-train tok/s | transformers tok/s | ratio |")
     print("|---|---:|---:|---:|")

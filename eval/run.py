@@ -81,6 +81,9 @@ def run_eval(recipe: Recipe, baseline: Path | None = None) -> Path:
     if leader:
         print(f"eval: {mode}, {len(prompts)} prompts from {', '.join(e.prompt_sets)}, k={e.k}, T={e.temperatures}, "
               f"batch {e.batch_size}", file=sys.stderr)
+    # Warm-up: the first forwards of a process pay one-off costs (allocations, kernel selection) that would
+    # otherwise be charged to the plain baseline alone and inflate every measured speedup.
+    _plain(engine, token_ids[: e.batch_size], [SamplingParams(max_new_tokens=4)] * min(e.batch_size, len(token_ids)))
     plain = {}
     for temperature in e.temperatures:
         params = [SamplingParams(temperature=temperature, max_new_tokens=e.max_new_tokens,

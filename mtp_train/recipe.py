@@ -136,7 +136,9 @@ class HeadConfig(Section):
     )
     num_layers: PositiveInt = Field(1, description="Decoder layers in the head.")
     init: Literal["random", "target_last_layer"] = Field(
-        "random", description="Initialise the head's decoder layer randomly or from the target's last layer."
+        "random", description="Initialise the head's decoder layer randomly or from the target's last layer. "
+        "Applies to `mtp` heads only: an `eagle` head always starts random, because its output feeds the lm_head "
+        "with no final norm, and a copied last layer writes pre-norm-scale values into it (it diverges).",
     )
 
 
