@@ -92,10 +92,9 @@ def run_eval(recipe: Recipe, baseline: Path | None = None) -> Path:
     mismatches: list[str] = []  # first mismatch of each sweep point that was not lossless
     sweep = _sweep(mode, engine, drafter, prompts, token_ids, plain, e.k, mismatches)
     comparisons = []
-    coolest = {min(e.temperatures): plain[min(e.temperatures)]}
     for name in e.compare:
         other = _other_drafter(recipe, engine, name)
-        points = _sweep(name, engine, other, prompts, token_ids, coolest, e.k, mismatches)
+        points = _sweep(name, engine, other, prompts, token_ids, plain, e.k, mismatches)
         comparisons.append(Comparison(name=name, sweep=points))
     lossless = not mismatches
     detail = "; ".join(mismatches[:3]) or None
