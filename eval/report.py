@@ -34,6 +34,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from eval.diagnosis import Diagnosis, diagnosis_blocks
 from mtp_train.errors import UserError
 from precompute.manifest import write_json_atomic
 
@@ -103,6 +104,7 @@ class SweepPoint(BaseModel):
     generated_tokens: int
     by_category: dict[str, Group]
     by_length: dict[str, Group]
+    by_prompt_set: dict[str, Group] = Field(default_factory=dict)
 
 
 class Comparison(BaseModel):
@@ -146,6 +148,8 @@ class Report(BaseModel):
     distinct2: float
     by_category: dict[str, Group]
     by_length: dict[str, Group]
+    by_prompt_set: dict[str, Group] = Field(default_factory=dict)
+    diagnosis: Diagnosis | None = None
     # Validation per unrolled step.
     val_loss: list[float]
     val_acc: list[float]
@@ -358,6 +362,8 @@ def _sections(report: Report) -> list[tuple[str, list[tuple]]]:
         ["validation vs trainer", "MISMATCH" if r.val_mismatch else "agree within tolerance"],
     ]))
     sections.append((f"Headline ({setting})", blocks))
+    if r.diagnosis is not None:
+        sections.append(("Diagnosis: acceptance against validation", diagnosis_blocks(r.diagnosis)))
 
     # α by position.
     n = max(len(r.alpha), len(r.alpha_unconditional))
@@ -392,6 +398,8 @@ def _sections(report: Report) -> list[tuple[str, list[tuple]]]:
         _group_table(r.by_category, sorted(r.by_category)) if r.by_category else ("p", "No categories recorded."),
         ("img", "tau_by_category"),
     ]))
+    if r.by_prompt_set:
+        sections.append((f"τ by prompt set ({setting})", [_group_table(r.by_prompt_set, sorted(r.by_prompt_set))]))
     sections.append((f"τ by context length in tokens ({setting})", [
         _group_table(r.by_length, sorted(r.by_length, key=bucket_order)) if r.by_length
         else ("p", "No context-length buckets recorded."),
@@ -405,11 +413,10 @@ def _sections(report: Report) -> list[tuple[str, list[tuple]]]:
              _num(p.expected_speedup, 2, "×"), _num(p.measured_speedup, 2, "×"), _lossless_cell(p.lossless)]
             for name, sweep in [(f"{r.mode} (this report)", r.sweep)] + [(c.name, c.sweep) for c in r.comparisons]
             for p in sorted(sweep, key=lambda p: (p.temperature, p.k))
-            if p.temperature == min(q.temperature for q in r.sweep)
         ]
         sections.append(("Other drafts on the same prompts", [
-            ("p", "Every draft decodes the same prompts with the same target, at the lowest temperature of the "
-                  "sweep. The bigram baseline drafts the most frequent successor of each token in the training "
+            ("p", "Every draft decodes the same prompts with the same target, over the same k and temperatures. "
+                  "The bigram baseline drafts the most frequent successor of each token in the training "
                   "features (no neural network; cost close to zero)."),
             ("table", ["draft", "k", "T", "τ", "α_j conditional", "c", "expected speedup", "measured speedup",
                        "lossless"], rows),

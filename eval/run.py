@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from eval.diagnosis import diagnose
 from eval.metrics import RequestTrace, alpha, distinct2, expected_speedup, group_by, pooled_tau
 from eval.prompts import EvalPrompt, load_prompt_set, render_prompt
 from eval.report import FILES, Comparison, Group, Report, SweepPoint, load_report, write_report
@@ -293,7 +294,12 @@ def _sweep_point(k, temperature, prompts, token_ids, results, c, measured, lossl
         num_steps=sum(len(t.accepted) for t in traces), generated_tokens=sum(len(t.output) for t in traces),
         by_category={name: _group(g, k) for name, g in group_by(traces, "category").items()},
         by_length={name: _group(g, k) for name, g in group_by(traces, "length_bucket").items()},
+        by_prompt_set={name: _group(g, k) for name, g in group_by(traces, _prompt_set).items()},
     )
+
+
+def _prompt_set(trace: RequestTrace) -> str:
+    return trace.prompt_id.split("/", 1)[0]
 
 
 # -- the report --------------------------------------------------------------------------------------------
@@ -313,7 +319,9 @@ def _report(recipe: Recipe, mode: str, sweep: list[SweepPoint], lossless: bool, 
         if trainer_loss and trainer_acc:
             mismatch = any(abs(a - b) > tol * abs(b) for a, b in zip(val_loss, trainer_loss) if b is not None) or any(
                 abs(a - b) > tol for a, b in zip(val_acc, trainer_acc))
+    first = min((p for p in sweep if p.temperature == coolest), key=lambda p: p.k)
     return Report(
+        diagnosis=diagnose(first, val_acc, mismatch), by_prompt_set=head.by_prompt_set,
         tau=head.tau, alpha=head.alpha, alpha_unconditional=head.alpha_unconditional, k=head.k,
         temperature=head.temperature, lossless=lossless, lossless_detail=detail,
         draft_cost_ratio=head.draft_cost_ratio, expected_speedup=head.expected_speedup,
