@@ -210,9 +210,13 @@ def run_precompute(
     by_id = {r.row_id: r for r in data.rows}
     rows: list[Row] = [by_id[i] for i in mine]
     if recipe.data.regenerate:
-        from precompute.regenerate import regenerate
+        from precompute.regenerate import regenerate, regenerated_path
 
-        rows = regenerate(rows, tokenizer, engine, recipe.data.sampling)
+        source = {k: fingerprint[k] for k in ("target", "tokenizer", "chat_template", "data")}
+        regen_key = text_fingerprint(json.dumps({**source, "sampling": recipe.data.sampling.model_dump(),
+                                                 "max_rows": recipe.data.max_rows}, sort_keys=True))
+        rows = regenerate(rows, tokenizer, engine, recipe.data.sampling, regenerated_path(out, worker.rank),
+                          regen_key, write=tp.is_leader)
     encoded = encode_many(tokenizer, [r.content for r in rows], recipe.data.max_length, [r.row_id for r in rows])
     masked_by_file = mask_fractions(data, rows, encoded)
     masked = sum(sum(m) for _, m, _ in encoded)

@@ -1,0 +1,64 @@
+"""Regeneration keeps its answers in a fingerprinted JSONL file, and a killed run continues where it stopped."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import TINY_TARGET
+from mtp_train.recipe import SamplingConfig
+from precompute.dataset import Row
+from precompute.regenerate import regenerate
+from precompute_helpers import sgd_rows
+
+
+@pytest.fixture(scope="module")
+def parts():
+    from transformers import AutoTokenizer
+
+    from mtp_train.runtime.engine import Engine
+
+    rows = [Row(i, [{"role": "user" if m["from"] == "human" else "assistant", "content": m["value"]}
+                    for m in r["conversations"][:4]]) for i, r in enumerate(sgd_rows(6))]
+    return rows, AutoTokenizer.from_pretrained(TINY_TARGET), Engine.from_pretrained(TINY_TARGET)
+
+
+SAMPLING = SamplingConfig(temperature=1.0, max_new_tokens=12, seed=3)
+
+
+def test_a_killed_regeneration_resumes_without_losing_or_redoing_rows(parts, tmp_path, capsys):
+    rows, tokenizer, engine = parts
+    fresh = regenerate(rows, tokenizer, engine, SAMPLING)  # no file: the reference answers
+    assert all(a.content != b.content for a, b in zip(fresh, rows)), "every row's answers are the target's"
+
+    path = tmp_path / "regenerated.rank-00000.jsonl"
+    regenerate(rows[:4], tokenizer, engine, SAMPLING, path, "fp", chunk=2)
+    lines = path.read_text().splitlines()
+    assert json.loads(lines[0]) == {"fingerprint": "fp"} and len(lines) == 5
+    # A kill in the middle of writing the second chunk: its last line is torn.
+    torn = "\n".join(lines[:4]) + "\n" + lines[4][: len(lines[4]) // 2]
+    path.write_text(torn)
+    capsys.readouterr()
+    calls = []
+    generate = engine.generate
+    engine.generate = lambda prompts, params: calls.append(len(prompts)) or generate(prompts, params)
+    try:
+        resumed = regenerate(rows, tokenizer, engine, SAMPLING, path, "fp", chunk=2)
+    finally:
+        del engine.generate
+    assert "already holds 3 of 6 rows" in capsys.readouterr().err
+    assert sum(calls) == 3 * 2, "only the 3 missing rows, 2 assistant turns each"
+    assert [r.content for r in resumed] == [r.content for r in fresh]
+    stored = [json.loads(x) for x in path.read_text().splitlines()[1:]]
+    assert sorted(s["row_id"] for s in stored) == list(range(6)), "each row exactly once"
+
+
+def test_another_fingerprint_starts_afresh(parts, tmp_path):
+    rows, tokenizer, engine = parts
+    path = tmp_path / "regenerated.rank-00000.jsonl"
+    regenerate(rows[:2], tokenizer, engine, SAMPLING, path, "old")
+    again = regenerate(rows[:2], tokenizer, engine, SAMPLING.model_copy(update={"seed": 4}), path, "new")
+    lines = path.read_text().splitlines()
+    assert json.loads(lines[0]) == {"fingerprint": "new"} and len(lines) == 3
+    assert [json.loads(x)["messages"] for x in lines[1:]] == [r.content for r in again]
