@@ -56,8 +56,14 @@ def find_checkpoint(root: Path, field: str = "target.path") -> CheckpointFiles:
     return CheckpointFiles(root=root, config=config, weight_files=files)
 
 
-def check_tensor_parallel(ckpt: CheckpointFiles, tp: int, field: str = "target.tp") -> None:
-    """Refuse a TP degree that does not divide the attention or KV heads."""
+def check_target(ckpt: CheckpointFiles, tp: int, field: str = "target.tp") -> None:
+    """Refuse an unsupported family first, then a TP degree that does not divide the attention or KV heads."""
+    from mtp_train.models.config import FAMILIES
+
+    family = ckpt.config.get("model_type")
+    if family not in FAMILIES:
+        raise UserError(f"{ckpt.root / 'config.json'}: model_type {family!r} is not supported; supported: "
+                        f"{', '.join(FAMILIES)}")
     heads = int(ckpt.config.get("num_attention_heads", 0))
     kv_heads = int(ckpt.config.get("num_key_value_heads", heads))
     if heads <= 0:

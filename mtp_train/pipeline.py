@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mtp_train.errors import StageNotBuilt
-from mtp_train.hf_checkpoint import check_tensor_parallel, find_checkpoint
+from mtp_train.hf_checkpoint import check_target, find_checkpoint
 from mtp_train.recipe import Recipe
 
 
@@ -95,7 +95,7 @@ STAGE_BY_NAME = {s.name: s for s in (*STAGES, EXPORT)}
 def check_inputs(recipe: Recipe) -> None:
     """Checks that need the files the recipe names, but no heavy imports."""
     ckpt = find_checkpoint(recipe.target.path)
-    check_tensor_parallel(ckpt, recipe.target.tp)
+    check_target(ckpt, recipe.target.tp)
 
 
 def plan_text(recipe: Recipe, stages: tuple[Stage, ...] = STAGES) -> str:

@@ -89,6 +89,15 @@ def test_target_without_weights(tmp_path):
     assert_one_line_user_error(run_cli(TINY_RECIPE, f"target.path={tmp_path}"), "target.path", "model.safetensors")
 
 
+def test_unsupported_family_is_named_before_any_missing_key(tmp_path):
+    """A GPT-2 config has no num_attention_heads: the family is what to report, with the supported ones."""
+    gpt2 = {"model_type": "gpt2", "n_head": 12, "n_embd": 768, "n_layer": 12, "vocab_size": 50257}
+    (tmp_path / "config.json").write_text(json.dumps(gpt2))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert_one_line_user_error(run_cli(TINY_RECIPE, f"target.path={tmp_path}"), "model_type 'gpt2' is not supported",
+                               "llama, mistral, qwen2, qwen3")
+
+
 def test_sharded_index_naming_a_missing_file(tmp_path):
     (tmp_path / "config.json").write_text((TINY_TARGET / "config.json").read_text())
     index = {"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}
