@@ -41,9 +41,27 @@ def eval_dir(recipe: Recipe) -> Path:
 
 
 def _fingerprint(recipe: Recipe, draft_id: str) -> str:
+    """What the eval's outcome depends on: its settings, the target, the draft and every comparison draft."""
+    compare = {name: _compare_id(recipe, name) for name in recipe.eval.compare}
     return text_fingerprint(json.dumps({"eval": recipe.eval.model_dump(mode="json"), "seed": recipe.seed,
-                                        "draft": draft_id, "target": target_fingerprint(recipe.target.path),
+                                        "draft": draft_id, "compare": compare,
+                                        "target": target_fingerprint(recipe.target.path),
                                         "dtype": recipe.target.dtype}, sort_keys=True))
+
+
+def _head_id(root: Path, what: str) -> str:
+    """A trained head's identity: its config (training fingerprint, final metrics) and weight file size."""
+    weights = root / "model.safetensors"
+    if not weights.is_file():
+        raise UserError(f"{what}: no trained head in {root}; run `mtp-train train` first")
+    return "head:" + text_fingerprint((root / "config.json").read_text()) + str(weights.stat().st_size)
+
+
+def _compare_id(recipe: Recipe, name: str) -> str:
+    if name == "bigram":  # built from the training features
+        manifest = recipe.features_dir / "manifest.json"
+        return "bigram:" + (text_fingerprint(manifest.read_text()) if manifest.is_file() else "no features")
+    return _head_id(recipe.output_dir / "heads" / name, "eval.compare")
 
 
 def _draft_id(recipe: Recipe) -> str:
@@ -51,10 +69,7 @@ def _draft_id(recipe: Recipe) -> str:
         return "draft_model:" + target_fingerprint(recipe.eval.draft_model)
     from mtp_train.train.trainer import head_dir
 
-    weights = head_dir(recipe) / "model.safetensors"
-    if not weights.is_file():
-        raise UserError(f"{head_dir(recipe)}: no trained head; run `mtp-train train` first")
-    return "head:" + text_fingerprint((head_dir(recipe) / "config.json").read_text()) + str(weights.stat().st_size)
+    return _head_id(head_dir(recipe), "head")
 
 
 def run_eval(recipe: Recipe, baseline: Path | None = None) -> Path:

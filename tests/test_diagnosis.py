@@ -55,3 +55,4 @@ def test_disagreeing_validation_is_an_implementation_mismatch_whatever_the_gap()
 def test_without_runtime_validation_nothing_is_claimed():
     d = diagnose(point({"heldout": 0.1}, {"heldout": 0.1}), val_top1=[], val_mismatch=False)
     assert d.verdict == "not_applicable"
+
