@@ -99,7 +99,8 @@ def run_eval(recipe: Recipe, baseline: Path | None = None) -> Path:
               f"batch {e.batch_size}", file=sys.stderr)
     # Warm-up: the first forwards of a process pay one-off costs (allocations, kernel selection) that would
     # otherwise be charged to the plain baseline alone and inflate every measured speedup.
-    _plain(engine, token_ids[: e.batch_size], [SamplingParams(max_new_tokens=4)] * min(e.batch_size, len(token_ids)))
+    warm = token_ids[: e.batch_size]
+    _plain(engine, warm, [SamplingParams(max_new_tokens=4)] * len(warm))
     plain = {}
     for temperature in e.temperatures:
         params = [SamplingParams(temperature=temperature, max_new_tokens=e.max_new_tokens,

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from mtp_train.errors import UserError
+from mtp_train.models.config import require_family
 
 SINGLE_WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -58,12 +59,7 @@ def find_checkpoint(root: Path, field: str = "target.path") -> CheckpointFiles:
 
 def check_target(ckpt: CheckpointFiles, tp: int, field: str = "target.tp") -> None:
     """Refuse an unsupported family first, then a TP degree that does not divide the attention or KV heads."""
-    from mtp_train.models.config import FAMILIES
-
-    family = ckpt.config.get("model_type")
-    if family not in FAMILIES:
-        raise UserError(f"{ckpt.root / 'config.json'}: model_type {family!r} is not supported; supported: "
-                        f"{', '.join(FAMILIES)}")
+    require_family(ckpt.config, str(ckpt.root / "config.json"))
     heads = int(ckpt.config.get("num_attention_heads", 0))
     kv_heads = int(ckpt.config.get("num_key_value_heads", heads))
     if heads <= 0:

@@ -171,10 +171,9 @@ def _specials(tokenizer: Any) -> list[str]:
 
 
 def _char_spans(
-    tokenizer: Any, conv: Messages, text: str, skeleton_text: str, specials: list[str], rid: int
+    tokenizer: Any, conv: Messages, stem: str, text: str, skeleton_text: str, specials: list[str], rid: int
 ) -> list[tuple[int, int]]:
     """Character spans of the assistant turns (content plus end-of-turn token) in ``text``."""
-    stem = _stem(conv)
     turns = sum(m.get("role") == "assistant" for m in conv)
     segs = _segments(skeleton_text, stem, turns)
     spans = _align(text, segs) if segs is not None else None
@@ -211,9 +210,11 @@ def _skeleton_masks(tokenizer: Any, convs: list[Messages], row_ids: list[int]) -
         raise UserError(f"{type(tokenizer).__name__}: a fast tokenizer is needed to mask chat templates without "
                         "{% generation %} markers; use a tokenizer.json tokenizer or a template with markers")
     texts = _render(tokenizer, convs, row_ids)
-    skeletons = _render(tokenizer, [_skeleton(c, _stem(c)) for c in convs], row_ids)
+    stems = [_stem(c) for c in convs]
+    skeletons = _render(tokenizer, [_skeleton(c, stem) for c, stem in zip(convs, stems)], row_ids)
     specials = _specials(tokenizer)
-    spans = [_char_spans(tokenizer, c, t, s, specials, r) for c, t, s, r in zip(convs, texts, skeletons, row_ids)]
+    spans = [_char_spans(tokenizer, c, stem, t, s, specials, r)
+             for c, stem, t, s, r in zip(convs, stems, texts, skeletons, row_ids)]
     enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
     check = tokenizer.apply_chat_template(convs[0], tokenize=True, return_dict=True)["input_ids"]
     if list(check) != list(enc["input_ids"][0]):

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from mtp_train.errors import UserError
-from precompute.chat_mask import chat_masks, require_template
+from precompute.chat_mask import chat_masks
 from precompute.formats import BadRow, Messages, detect_format, to_messages
 
 
@@ -95,11 +95,6 @@ def rank_slice(row_ids: list[int], rank: int, world: int) -> list[int]:
     """Rank ``rank`` of ``world`` owns a contiguous block of the rows, in order."""
     n = len(row_ids)
     return row_ids[rank * n // world : (rank + 1) * n // world]
-
-
-def check_template(tokenizer: Any, source: str) -> None:
-    """Refuse a tokenizer without a chat template when the data has chat rows (any template will do)."""
-    require_template(tokenizer, source)
 
 
 def encode(tokenizer: Any, content: Messages | str, max_length: int) -> tuple[list[int], list[int], bool]:

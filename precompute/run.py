@@ -21,7 +21,8 @@ import torch
 
 from mtp_train.errors import UserError
 from mtp_train.recipe import Recipe
-from precompute.dataset import LoadedData, Row, check_template, encode_many, heldout_ids, load_rows, rank_slice
+from precompute.chat_mask import require_template
+from precompute.dataset import LoadedData, Row, encode_many, heldout_ids, load_rows, rank_slice
 from precompute.manifest import (
     MERGED,
     Manifest,
@@ -199,7 +200,7 @@ def run_precompute(
     if not data.rows:
         raise UserError("data.train: no usable rows")
     if any(not isinstance(r.content, str) for r in data.rows):
-        check_template(tokenizer, str(target))
+        require_template(tokenizer, str(target))
     all_ids = [r.row_id for r in data.rows]
     mine = rank_slice(all_ids, worker.rank, worker.world)
 
@@ -218,9 +219,8 @@ def run_precompute(
         rows = regenerate(rows, tokenizer, engine, recipe.data.sampling, regenerated_path(out, worker.rank),
                           regen_key, write=tp.is_leader)
     encoded = encode_many(tokenizer, [r.content for r in rows], recipe.data.max_length, [r.row_id for r in rows])
-    masked_by_file = mask_fractions(data, rows, encoded)
-    masked = sum(sum(m) for _, m, _ in encoded)
-    total = sum(len(ids) for ids, _, _ in encoded)
+    by_file = mask_counts(data, rows, encoded)
+    masked, total = (sum(c[i] for c in by_file.values()) for i in (0, 1))
 
     manifest = old or Manifest(
         ranks=[worker.rank], world_size=worker.world, fingerprint=fingerprint, settings=settings,
@@ -250,8 +250,8 @@ def run_precompute(
     print(f"precompute: rank {worker.rank}/{worker.world}, {len(rows)} rows, {total:,} tokens "
           f"({masked / total:.1%} masked in, {manifest.truncated_rows} truncated to {recipe.data.max_length}), "
           f"{len(plan)} shards, {done} already done", file=sys.stderr)
-    for path, fraction in masked_by_file.items():
-        print(f"precompute: {path}: {fraction:.1%} of its tokens masked in", file=sys.stderr)
+    for path, (file_masked, file_total) in by_file.items():
+        print(f"precompute: {path}: {file_masked / file_total:.1%} of its tokens masked in", file=sys.stderr)
     writer = ShardWriter(record) if tp.is_leader else None
     bar = tqdm(total=len(rows), initial=sum(len(p) for p in plan[:done]), unit="row",
                disable=None if tp.is_leader else True, file=sys.stderr)
@@ -285,9 +285,9 @@ def run_precompute(
     return manifest
 
 
-def mask_fractions(data: LoadedData, rows: list[Row], encoded: list[tuple[list[int], list[int], bool]]
-                   ) -> dict[str, float]:
-    """The fraction of tokens masked in, per data file (of this rank's rows); a file with none is refused."""
+def mask_counts(data: LoadedData, rows: list[Row], encoded: list[tuple[list[int], list[int], bool]]
+                ) -> dict[str, list[int]]:
+    """``[tokens masked in, tokens]`` per data file (of this rank's rows); a file with none masked in is refused."""
     bounds = list(itertools.accumulate(data.file_rows.values()))
     files = list(data.file_rows)
     counts: dict[str, list[int]] = {}
@@ -299,7 +299,7 @@ def mask_fractions(data: LoadedData, rows: list[Row], encoded: list[tuple[list[i
         if masked == 0:
             raise UserError(f"{path}: the chat template gave an empty loss mask for every row of this file; nothing "
                             "to train on (check its assistant turns, or set data.chat_template)")
-    return {path: masked / max(total, 1) for path, (masked, total) in counts.items()}
+    return counts
 
 
 def heldout_ids_from(all_ids: list[int], recipe: Recipe) -> set[int]:

@@ -202,11 +202,11 @@ def test_unalignable_template_is_a_one_line_error(base_tokenizer):
 
 
 def test_no_chat_template_is_a_one_line_error(base_tokenizer):
-    from precompute.dataset import check_template
+    from precompute.chat_mask import require_template
 
     tok = copy.deepcopy(base_tokenizer)
     tok.chat_template = None
-    for call in (lambda: check_template(tok, "target"), lambda: encode_many(tok, [CONVERSATION], 512)):
+    for call in (lambda: require_template(tok, "target"), lambda: encode_many(tok, [CONVERSATION], 512)):
         with pytest.raises(UserError) as err:
             call()
         assert "data.chat_template" in str(err.value) and len(str(err.value).splitlines()) == 1

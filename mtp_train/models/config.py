@@ -10,6 +10,14 @@ from mtp_train.errors import UserError
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
+def require_family(hf: dict[str, Any], source: str) -> str:
+    """The config's ``model_type``; an unsupported one is refused, listing the supported families."""
+    family = hf.get("model_type")
+    if family not in FAMILIES:
+        raise UserError(f"{source}: model_type {family!r} is not supported; supported: {', '.join(FAMILIES)}")
+    return family
+
+
 @dataclass(frozen=True)
 class RopeConfig:
     """Rotary embedding settings; ``kind`` is ``default`` or ``llama3`` (Llama 3.1 frequency scaling)."""
@@ -50,11 +58,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
-        family = hf.get("model_type")
-        if family not in FAMILIES:
-            raise UserError(
-                f"{source}: model_type {family!r} is not supported; supported: {', '.join(FAMILIES)}"
-            )
+        family = require_family(hf, source)
 
         def need(key: str) -> Any:
             if key not in hf:

@@ -254,7 +254,7 @@ class Engine:
                 lps.append(values - lse[:, None])
                 ids.append(idx)
                 lses.append(lse)
-                tails.append(torch.logsumexp(logits.scatter(-1, idx, float("-inf")), dim=-1) - lse)
+                tails.append(torch.logsumexp(logits.scatter_(-1, idx, float("-inf")), dim=-1) - lse)  # last use
             return hidden, torch.cat(lps), torch.cat(ids), torch.cat(lses), torch.cat(tails)
         finally:
             for seq in seqs:
