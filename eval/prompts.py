@@ -9,6 +9,7 @@ Sets (``PROMPT_SETS``), their ids and categories:
 | ``mt_bench`` | ``data/eval/mt_bench/question.jsonl`` | ``mt_bench/<question_id>`` | its 8 categories | first turn |
 | ``humaneval`` | ``data/eval/humaneval/HumanEval.jsonl.gz`` | ``humaneval/<n>`` (from ``HumanEval/<n>``) | ``code`` | see below |
 | ``gsm8k`` | ``data/eval/gsm8k/test.jsonl`` | ``gsm8k/<line index>`` | ``math`` | the question |
+| ``sgd_dev`` | ``data/sgd/sgd_dev_sharegpt.jsonl.gz`` (SGD's dev split) | ``sgd_dev/<line index>`` | first service, e.g. ``Restaurants`` | cut as held-out rows are |
 
 **Held-out prompts.** Each held-out chat row is cut just after one of its user turns that an assistant turn
 follows (the candidates), chosen uniformly with a seed derived from the row id alone, so ``heldout/row-N`` is the
@@ -20,6 +21,10 @@ formulaic reply; a uniform pick is distributed over reply positions as the train
 the prompts over context lengths. ``render_prompt`` of such a prompt is token for token a prefix of the
 training encoding of the whole row (``precompute.dataset.encode``). Plain-text rows (format ``text``) have no
 turns and are skipped, as are rows with no user turn before an assistant turn.
+
+**SGD dev** is the in-domain set for heads trained on the SGD example data: dialogues of SGD's dev split, which
+no training file holds, each cut as a held-out row is (the seed is ``sgd_dev/<line index>``), so it measures
+any head on the same in-domain prompts whatever its training data.
 
 **HumanEval** is not a chat set; its function stub goes into one user turn as
 ``Complete the following Python function.\\n\\n```python\\n<stub>```\\n``. Reference answers, tests and
@@ -43,13 +48,14 @@ from typing import Any
 
 from mtp_train.errors import UserError
 
-PROMPT_SETS = ("heldout", "spec_bench", "mt_bench", "humaneval", "gsm8k")
+PROMPT_SETS = ("heldout", "spec_bench", "mt_bench", "humaneval", "gsm8k", "sgd_dev")
 DATA_DIR = Path(__file__).resolve().parents[1] / "data" / "eval"
 FILES = {
     "spec_bench": "spec_bench/question.jsonl",
     "mt_bench": "mt_bench/question.jsonl",
     "humaneval": "humaneval/HumanEval.jsonl.gz",
     "gsm8k": "gsm8k/test.jsonl",
+    "sgd_dev": "../sgd/sgd_dev_sharegpt.jsonl.gz",
 }
 HUMANEVAL_INSTRUCTION = "Complete the following Python function.\n\n```python\n{stub}```\n"
 
@@ -60,7 +66,7 @@ class EvalPrompt:
 
     set_name: str  # one of PROMPT_SETS
     prompt_id: str  # stable across runs, e.g. "spec_bench/81" or "heldout/row-1234"
-    category: str  # Spec-Bench/MT-bench category; "code" (humaneval); "math" (gsm8k); "heldout"
+    category: str  # Spec-Bench/MT-bench category; "code" (humaneval); "math" (gsm8k); "heldout"; SGD service
     messages: list[dict[str, str]]  # [{"role": "system"|"user"|"assistant", "content": ...}], ends with a user turn
 
 
@@ -104,7 +110,7 @@ def load_prompt_set(
         if not path.is_file():
             raise UserError(f"prompt set {name!r}: {path} not found (valid sets are {_valid()})")
         records = _read_jsonl(path, name)
-        prompts = [_BUILDERS[name](i, rec, path) for i, rec in enumerate(records)]
+        prompts = [p for i, rec in enumerate(records) if (p := _BUILDERS[name](i, rec, path)) is not None]
     if not prompts:
         raise UserError(f"prompt set {name!r}: no prompts")
     return prompts if max_prompts is None else stratified_subset(prompts, max_prompts, seed)
@@ -200,11 +206,22 @@ def _gsm8k(i: int, rec: dict[str, Any], path: Path) -> EvalPrompt:
     return EvalPrompt("gsm8k", f"gsm8k/{i}", "math", [{"role": "user", "content": question}])
 
 
+def _sgd_dev(i: int, rec: dict[str, Any], path: Path) -> EvalPrompt | None:
+    messages = _row_messages(rec)
+    context = heldout_context(messages, f"sgd_dev/{i}") if messages else None
+    if context is None:
+        return None
+    services = rec.get("services")
+    service = services[0] if isinstance(services, list) and services and isinstance(services[0], str) else "none"
+    return EvalPrompt("sgd_dev", f"sgd_dev/{i}", service.split("_")[0], context)
+
+
 _BUILDERS = {
     "spec_bench": _question_set("spec_bench"),
     "mt_bench": _question_set("mt_bench"),
     "humaneval": _humaneval,
     "gsm8k": _gsm8k,
+    "sgd_dev": _sgd_dev,
 }
 
 
@@ -222,12 +239,13 @@ def heldout_cuts(messages: list[dict[str, str]]) -> list[int]:
     return cuts
 
 
-def heldout_context(messages: list[dict[str, str]], row_id: int) -> list[dict[str, str]] | None:
-    """Messages up to and including the user turn picked for row ``row_id``; None if the row has no candidate."""
+def heldout_context(messages: list[dict[str, str]], seed: str) -> list[dict[str, str]] | None:
+    """Messages up to and including the user turn drawn with ``seed`` (``heldout/row-<row id>`` for a held-out
+    row); None if the row has no candidate."""
     cuts = heldout_cuts(messages)
     if not cuts:
         return None
-    cut = random.Random(f"heldout/row-{row_id}").choice(cuts)
+    cut = random.Random(seed).choice(cuts)
     return [{"role": m["role"], "content": m["content"]} for m in messages[: cut + 1]]
 
 
@@ -267,7 +285,7 @@ def _heldout(rows: Sequence[Any] | None, ids: Iterable[int] | None) -> list[Eval
     out = []
     for row_id in wanted:
         messages = _row_messages(by_id[row_id])
-        context = heldout_context(messages, row_id) if messages else None
+        context = heldout_context(messages, f"heldout/row-{row_id}") if messages else None
         if context is not None:
             out.append(EvalPrompt("heldout", f"heldout/row-{row_id}", "heldout", context))
     if wanted and not out:

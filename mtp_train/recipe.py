@@ -35,7 +35,7 @@ def _resolve(path: Path, info: ValidationInfo) -> Path:
 
 
 RecipePath = Annotated[Path, AfterValidator(_resolve)]
-PROMPT_SETS = ("heldout", "spec_bench", "mt_bench", "humaneval", "gsm8k")
+PROMPT_SETS = ("heldout", "spec_bench", "mt_bench", "humaneval", "gsm8k", "sgd_dev")
 
 
 class Section(BaseModel):

@@ -17,7 +17,7 @@ from eval.metrics import (
     length_bucket,
     pooled_tau,
 )
-from eval.prompts import PROMPT_SETS, EvalPrompt, heldout_cuts, load_prompt_set, render_prompt
+from eval.prompts import PROMPT_SETS, EvalPrompt, heldout_context, heldout_cuts, load_prompt_set, render_prompt
 from mtp_train.errors import UserError
 from mtp_train.recipe import PROMPT_SETS as RECIPE_PROMPT_SETS
 
@@ -159,6 +159,26 @@ def test_benchmark_prompts_hold_the_file_content():
     assert g.prompt_id == "gsm8k/1" and g.category == "math" and g.messages[0]["content"].startswith("A robe takes")
 
 
+def test_sgd_dev_prompts_are_dev_dialogues_cut_like_heldout_rows():
+    with gzip.open(REPO / "data/sgd/sgd_dev_sharegpt.jsonl.gz", "rt") as f:
+        rows = [json.loads(line) for line in f]
+    prompts = load_prompt_set("sgd_dev")
+    assert len(prompts) == len(rows) == 2098
+    assert len({p.category for p in prompts}) == 16 and "Restaurants" in {p.category for p in prompts}
+    for p in prompts[::97]:
+        i = int(p.prompt_id.split("/")[1])
+        turns = [{"role": "user" if t["from"] == "human" else "assistant", "content": t["value"]}
+                 for t in rows[i]["conversations"]]
+        # a prefix of the dialogue that ends on a user turn an answer follows, with the row's own seed
+        assert p.messages == heldout_context(turns, f"sgd_dev/{i}") == turns[: len(p.messages)]
+        assert p.messages[-1]["role"] == "user" and turns[len(p.messages)]["role"] == "assistant"
+        assert p.category == rows[i]["services"][0].split("_")[0]
+    # no dev dialogue is also a training dialogue (ids restart per split; compare the turns)
+    with gzip.open(REPO / "data/sgd/sgd_train_sharegpt.jsonl.gz", "rt") as f:
+        train = {json.dumps(json.loads(line)["conversations"]) for line in f}
+    assert not train & {json.dumps(r["conversations"]) for r in rows}
+
+
 def test_stratified_subset_covers_every_category_and_is_deterministic():
     sub = load_prompt_set("spec_bench", max_prompts=20, seed=3)
     assert len(sub) == 20
@@ -176,7 +196,7 @@ def test_stratified_subset_covers_every_category_and_is_deterministic():
 
 
 def test_unknown_set_and_missing_file_are_user_errors(tmp_path):
-    with pytest.raises(UserError, match=r"'squad'.*heldout, spec_bench, mt_bench, humaneval, gsm8k"):
+    with pytest.raises(UserError, match=r"'squad'.*heldout, spec_bench, mt_bench, humaneval, gsm8k, sgd_dev"):
         load_prompt_set("squad")
     with pytest.raises(UserError, match=r"gsm8k.*test\.jsonl not found.*valid sets"):
         load_prompt_set("gsm8k", data_dir=tmp_path)
