@@ -1,19 +1,21 @@
 """Optional regeneration: replace the dataset's assistant turns with the target's own answers, resumably.
 
-Turn j of every conversation in a chunk is generated in one ``generate`` call through the runtime, which
-batches as many requests as its KV pages allow (continuous batching, preempting under page pressure); turn
-j+1 then sees the regenerated turn j, as it would in a real chat. Text rows are left as they are. Each
-(row, turn) has its own seed, so an answer does not depend on the chunking, the batch or the rank.
+Every row's first assistant turn is queued on one continuous-batching scheduler of the runtime, which runs as
+many requests at once as its sequence limit and KV pages allow (preempting under page pressure); when a row's
+turn j is answered, its turn j+1 is queued with the regenerated turn j in its context, as in a real chat.
+Text rows are left as they are. Each (row, turn) has its own sampling seed, so the draw does not depend on
+which rows share a batch or a rank.
 
 The answers are kept as a dataset file, ``FEATURES/regenerated.rank-RRRRR.jsonl``: a header line
 ``{"fingerprint": ...}`` (target, tokenizer, chat template, data, sampling and seed), then one line per
-regenerated row, ``{"row_id": N, "messages": [...]}`` (the ``openai`` row format), appended and fsync'd after
-every chunk. A rerun keeps the rows the file already holds (a torn last line from a kill is cut off) and
+regenerated row, ``{"row_id": N, "messages": [...]}`` (the ``openai`` row format), appended and fsync'd as
+rows finish (every ``save_rows`` rows). A rerun keeps the rows the file already holds (a torn last line from a kill is cut off) and
 generates only the rest; a file with another fingerprint is started afresh.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -21,9 +23,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from mtp_train.recipe import SamplingConfig
 from mtp_train.runtime.engine import Engine
 from mtp_train.runtime.sampling import SamplingParams
+from mtp_train.runtime.sequence import Status
 from precompute.dataset import Row
 from precompute.writer import crash_point
 
@@ -71,53 +76,81 @@ def _append(path: Path, lines: list[str], header: str | None) -> None:
         os.fsync(f.fileno())
 
 
-def _regenerate_chunk(chats: list[Row], tokenizer: Any, engine: Engine, sampling: SamplingConfig) -> int:
-    """Regenerate ``chats`` in place, turn by turn; returns the number of generated tokens."""
-    turns = {id(r): [i for i, m in enumerate(r.content) if m["role"] == "assistant"] for r in chats}
-    stop, tokens = set(engine.stop_ids), 0
-    for j in range(max((len(t) for t in turns.values()), default=0)):
-        todo = [r for r in chats if len(turns[id(r)]) > j]
-        prompts, params = [], []
-        for r in todo:
-            at = turns[id(r)][j]
-            prompts.append(tokenizer.apply_chat_template(r.content[:at], add_generation_prompt=True, tokenize=True,
-                                                         return_dict=True)["input_ids"])
-            seed = sampling.seed * 1_000_003 + r.row_id * 101 + j
-            params.append(SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p,
-                                         sampling.max_new_tokens, seed))
-        for r, result in zip(todo, engine.generate(prompts, params)):
-            tokens += len(result.tokens)
-            answer = [t for t in result.tokens if t not in stop]
-            r.content[turns[id(r)][j]]["content"] = tokenizer.decode(answer, skip_special_tokens=True)
-    return tokens
+def _prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                         return_dict=True)["input_ids"]
 
 
 def regenerate(rows: list[Row], tokenizer: Any, engine: Engine, sampling: SamplingConfig, path: Path | None = None,
-               fingerprint: str = "", chunk: int | None = None, write: bool = True) -> list[Row]:
+               fingerprint: str = "", save_rows: int = 64, write: bool = True, report_every: float = 30.0) -> list[Row]:
     """``rows`` with every chat's assistant turns replaced by the target's answers.
 
-    With ``path``, answers are kept there and reused (module docstring); ``chunk`` rows are generated and
-    saved at a time (default: the engine's ``max_seqs``, the most requests it runs at once). Under tensor
-    parallelism every rank reads ``path`` and generates alike, and only the leader writes (``write``).
+    With ``path``, answers are kept there and reused (module docstring); finished rows are appended
+    ``save_rows`` at a time. Progress (rows, tokens, tokens/s) is printed every ``report_every`` seconds.
+    Under tensor parallelism every rank reads ``path`` and generates alike, and only the leader writes and
+    prints (``write``).
     """
     done = _read_done(path, fingerprint, write) if path is not None else {}
     chats = [Row(r.row_id, [dict(m) for m in r.content]) for r in rows
              if not isinstance(r.content, str) and r.row_id not in done]
-    chunk = chunk or engine.max_seqs
-    total, tokens, start = len(done) + len(chats), 0, time.perf_counter()
+    total, tokens, start, shown = len(done) + len(chats), 0, time.perf_counter(), time.perf_counter()
     if path is not None and done and write:
         print(f"regenerate: {path.name} already holds {len(done)} of {total} rows; continuing", file=sys.stderr)
-    for c in range(0, len(chats), chunk):
-        part = chats[c : c + chunk]
-        tokens += _regenerate_chunk(part, tokenizer, engine, sampling)
-        if path is not None and write:
+    stop = set(engine.stop_ids)
+    turns = {r.row_id: [i for i, m in enumerate(r.content) if m["role"] == "assistant"] for r in chats}
+    scheduler, _ = engine.start([], [])
+    pending: dict[int, tuple[Row, int]] = {}  # request id -> (row, its j-th assistant turn)
+    request_ids = itertools.count()
+
+    def submit(r: Row, j: int) -> None:
+        params = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, sampling.max_new_tokens,
+                                sampling.seed * 1_000_003 + r.row_id * 101 + j)
+        request = next(request_ids)
+        pending[request] = (r, j)
+        engine.submit(scheduler, request, _prompt(tokenizer, r.content[: turns[r.row_id][j]]), params)
+
+    finished: list[Row] = []
+    saves = 0
+
+    def save() -> None:
+        nonlocal finished, saves
+        if path is not None and write and finished:
             header = json.dumps({"fingerprint": fingerprint}) if not path.is_file() else None
-            _append(path, [json.dumps({"row_id": r.row_id, "messages": r.content}) for r in part], header)
-            crash_point("regenerate", c // chunk)
-        for r in part:
-            done[r.row_id] = r.content
+            _append(path, [json.dumps({"row_id": r.row_id, "messages": r.content}) for r in finished], header)
+            crash_point("regenerate", saves)
+            saves += 1
+        done.update((r.row_id, r.content) for r in finished)
+        finished = []
+
+    with torch.inference_mode():
+        for r in chats:
+            if turns[r.row_id]:
+                submit(r, 0)
+            else:
+                finished.append(r)
+        while not scheduler.done:
+            scheduled, _ = engine.step(scheduler)
+            for seq, _ in scheduled:
+                if seq.status is not Status.FINISHED:
+                    continue
+                r, j = pending.pop(seq.request_id)
+                tokens += len(seq.output)
+                answer = [t for t in seq.output if t not in stop]
+                r.content[turns[r.row_id][j]]["content"] = tokenizer.decode(answer, skip_special_tokens=True)
+                if j + 1 < len(turns[r.row_id]):
+                    submit(r, j + 1)  # the next turn sees this answer, as in a real chat
+                else:
+                    finished.append(r)
+            if len(finished) >= save_rows:
+                save()
+            now = time.perf_counter()
+            if write and now - shown >= report_every:
+                shown = now
+                print(f"regenerate: {len(done) + len(finished)}/{total} rows, {tokens:,} tokens generated, "
+                      f"{tokens / (now - start):,.0f} tok/s", file=sys.stderr)
+        save()
+    if write and chats:
         elapsed = time.perf_counter() - start
-        if write:
-            print(f"regenerate: {len(done)}/{total} rows, {tokens:,} tokens generated, {tokens / elapsed:,.0f} tok/s",
-                  file=sys.stderr)
+        print(f"regenerate: {len(done)}/{total} rows, {tokens:,} tokens generated in {elapsed:,.0f}s, "
+              f"{tokens / elapsed:,.0f} tok/s", file=sys.stderr)
     return [Row(r.row_id, done[r.row_id]) if r.row_id in done else r for r in rows]

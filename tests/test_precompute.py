@@ -290,8 +290,13 @@ def test_regeneration_replaces_answers_with_the_targets_own(tmp_path, tokenizer)
     data = write_jsonl(tmp_path / "d.jsonl", rows)
     recipe = make_recipe(tmp_path, data, data={"regenerate": True, "heldout_rows": 0,
                                                "sampling": {"temperature": 0.0, "max_new_tokens": 24}})
+    # Killed right after the answers were saved: the rerun reuses them and generates nothing.
+    killed = run_precompute_cli(recipe, crash_at="regenerate:0")
+    assert killed.returncode == -9, killed.stderr
+    assert len((tmp_path / "run/features/regenerated.rank-00000.jsonl").read_text().splitlines()) == 1 + 3
     proc = run_precompute_cli(recipe)
     assert proc.returncode == 0, proc.stderr
+    assert "already holds 3 of 3 rows" in proc.stderr and "tokens generated" not in proc.stderr
     manifest = json.loads((tmp_path / "run/features/manifest.json").read_text())
     assert manifest["regenerated"] is True and manifest["sampling"]["max_new_tokens"] == 24
     stored = shard_contents(tmp_path / "run" / "features")

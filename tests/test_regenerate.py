@@ -33,7 +33,7 @@ def test_a_killed_regeneration_resumes_without_losing_or_redoing_rows(parts, tmp
     assert all(a.content != b.content for a, b in zip(fresh, rows)), "every row's answers are the target's"
 
     path = tmp_path / "regenerated.rank-00000.jsonl"
-    regenerate(rows[:4], tokenizer, engine, SAMPLING, path, "fp", chunk=2)
+    regenerate(rows[:4], tokenizer, engine, SAMPLING, path, "fp", save_rows=2)
     lines = path.read_text().splitlines()
     assert json.loads(lines[0]) == {"fingerprint": "fp"} and len(lines) == 5
     # A kill in the middle of writing the second chunk: its last line is torn.
@@ -41,14 +41,14 @@ def test_a_killed_regeneration_resumes_without_losing_or_redoing_rows(parts, tmp
     path.write_text(torn)
     capsys.readouterr()
     calls = []
-    generate = engine.generate
-    engine.generate = lambda prompts, params: calls.append(len(prompts)) or generate(prompts, params)
+    submit = engine.submit
+    engine.submit = lambda *args: calls.append(args[1]) or submit(*args)
     try:
-        resumed = regenerate(rows, tokenizer, engine, SAMPLING, path, "fp", chunk=2)
+        resumed = regenerate(rows, tokenizer, engine, SAMPLING, path, "fp", save_rows=2)
     finally:
-        del engine.generate
+        del engine.submit
     assert "already holds 3 of 6 rows" in capsys.readouterr().err
-    assert sum(calls) == 3 * 2, "only the 3 missing rows, 2 assistant turns each"
+    assert len(calls) == 3 * 2, "only the 3 missing rows, 2 assistant turns each"
     assert [r.content for r in resumed] == [r.content for r in fresh]
     stored = [json.loads(x) for x in path.read_text().splitlines()[1:]]
     assert sorted(s["row_id"] for s in stored) == list(range(6)), "each row exactly once"

@@ -154,17 +154,19 @@ class Engine:
         """Queue the requests; ``slots_per_token`` > 1 reserves KV room for a draft as well."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         scheduler = Scheduler(self.allocator, self.max_batch_tokens, self.max_seqs, slots_per_token)
-        seqs = []
-        for i, (prompt, p) in enumerate(zip(prompts, plist, strict=True)):
-            if not prompt:
-                raise ValueError(f"request {i}: empty prompt")
-            stop = self.stop_ids if p.stop_token_ids is None else p.stop_token_ids
-            gen = torch.Generator().manual_seed(p.seed) if not p.greedy else None
-            seq = Sequence(i, list(prompt), p, frozenset(stop), len(prompt), generator=gen)
-            seq.stats.prompt_tokens = len(prompt)
-            scheduler.add(seq)
-            seqs.append(seq)
-        return scheduler, seqs
+        return scheduler, [self.submit(scheduler, i, prompt, p) for i, (prompt, p) in
+                           enumerate(zip(prompts, plist, strict=True))]
+
+    def submit(self, scheduler: Scheduler, request_id: int, prompt: list[int], params: SamplingParams) -> Sequence:
+        """Queue one more request on a running ``scheduler``; ``step`` picks it up."""
+        if not prompt:
+            raise ValueError(f"request {request_id}: empty prompt")
+        stop = self.stop_ids if params.stop_token_ids is None else params.stop_token_ids
+        gen = torch.Generator().manual_seed(params.seed) if not params.greedy else None
+        seq = Sequence(request_id, list(prompt), params, frozenset(stop), len(prompt), generator=gen)
+        seq.stats.prompt_tokens = len(prompt)
+        scheduler.add(seq)
+        return seq
 
     @torch.inference_mode()
     def generate(
