@@ -28,7 +28,6 @@ import base64
 import html
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from eval.diagnosis import Diagnosis, diagnosis_blocks
 from mtp_train.errors import UserError
-from precompute.manifest import write_json_atomic
+from mtp_train.io import write_atomic, write_json_atomic
 
 SCHEMA_VERSION = 1
 
@@ -571,18 +570,6 @@ def render_html(report: Report, plots: dict[str, bytes] | None = None) -> str:
 # Writing
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def write_report(report: Report, out_dir: Path, baseline: Path | None = None) -> dict[str, Path]:
     """Write ``report.json``, ``report.md`` and ``report.html`` into ``out_dir``.
 
@@ -600,6 +587,6 @@ def write_report(report: Report, out_dir: Path, baseline: Path | None = None) ->
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {kind: out_dir / name for kind, name in FILES.items()}
     write_json_atomic(paths["json"], data)
-    _write_text_atomic(paths["md"], md)
-    _write_text_atomic(paths["html"], page)
+    write_atomic(paths["md"], md)
+    write_atomic(paths["html"], page)
     return paths

@@ -14,7 +14,6 @@ resubmitted by hand. Every SLURM command runs with a timeout.
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import shutil
@@ -25,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mtp_train.errors import UserError
+from mtp_train.io import write_atomic
 from mtp_train.recipe import Recipe
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "slurm"
@@ -166,13 +166,7 @@ def write_scripts(scripts: dict[str, str], recipe: Recipe) -> dict[str, Path]:
     paths = {}
     for job, text in scripts.items():
         path = out / f"{job}.sbatch"
-        tmp = path.with_name(f".{path.name}.tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.chmod(0o755)
-        os.replace(tmp, path)
+        write_atomic(path, text, mode=0o755)
         paths[job] = path
     return paths
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import struct
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from pydantic import BaseModel
 
 from mtp_train.errors import UserError
 from mtp_train.hf_checkpoint import find_checkpoint
+from mtp_train.io import write_json_atomic
 
 FORMAT_VERSION = 2  # 2: shards hold ``tail_logprob`` (the exact mass outside the top-K)
 MERGED = "manifest.json"
@@ -96,15 +96,6 @@ def union(parts: list[tuple[Path, Manifest]]) -> Manifest:
         merged.shards += part.shards
         merged.complete = merged.complete and part.complete
     return merged
-
-
-def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def save_manifest(path: Path, manifest: Manifest) -> None:

@@ -30,7 +30,7 @@ from mtp_train.runtime.engine import Engine
 from mtp_train.runtime.sampling import SamplingParams
 from mtp_train.runtime.sequence import Status
 from precompute.dataset import Row
-from precompute.writer import crash_point
+from mtp_train.io import crash_point
 
 
 def regenerated_path(features: Path, rank: int) -> Path:

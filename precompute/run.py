@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from mtp_train.errors import UserError
+from mtp_train.io import crash_point, group_by_tokens
 from mtp_train.recipe import Recipe
 from precompute.chat_mask import require_template
 from precompute.dataset import LoadedData, Row, encode_many, heldout_ids, load_rows, rank_slice
@@ -38,7 +39,7 @@ from precompute.manifest import (
     union,
 )
 from precompute.tokenizer import load_tokenizer
-from precompute.writer import ShardWriter, crash_point
+from precompute.writer import ShardWriter
 
 
 @dataclass(frozen=True)
@@ -73,20 +74,6 @@ def recipe_settings(recipe: Recipe, world: int) -> dict:
         "sampling": d.sampling.model_dump() if d.regenerate else None,
         "seed": recipe.seed, "layers": p.layers, "topk": p.topk, "shard_tokens": p.shard_tokens, "world_size": world,
     }
-
-
-def group_by_tokens(lengths: list[int], budget: int) -> list[list[int]]:
-    """Cut indices, in order, into groups of at most ``budget`` tokens (a longer item gets a group of its own)."""
-    shards, current, total = [], [], 0
-    for i, n in enumerate(lengths):
-        if current and total + n > budget:
-            shards.append(current)
-            current, total = [], 0
-        current.append(i)
-        total += n
-    if current:
-        shards.append(current)
-    return shards
 
 
 def _mismatch(old: Manifest, fingerprint: dict[str, str], settings: dict) -> str | None:

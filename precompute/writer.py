@@ -7,9 +7,7 @@ forward waits) and nothing is ever dropped. Shards are written and recorded stri
 from __future__ import annotations
 
 import hashlib
-import os
 import queue
-import signal
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -17,31 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save as safetensors_bytes
 
-CRASH_ENV = "MTP_TRAIN_CRASH_AT"  # test hook: "point:shard_index" kills the process there with SIGKILL
-
-
-def crash_point(point: str, shard_index: int) -> None:
-    """Die like a killed job at ``point`` for ``shard_index`` when the test hook asks for it."""
-    if os.environ.get(CRASH_ENV) == f"{point}:{shard_index}":
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def write_atomic(path: Path, payload: bytes, shard_index: int = -1) -> None:
-    """Write ``payload`` to ``path`` via a hidden temp file in the same directory, fsync'd, then rename."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        half = len(payload) // 2
-        f.write(payload[:half])
-        crash_point("write", shard_index)
-        f.write(payload[half:])
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+from mtp_train.io import crash_point, write_atomic
 
 
 class ShardWriter:
@@ -64,7 +38,7 @@ class ShardWriter:
             index, path, tensors, metadata = job
             try:
                 payload = safetensors_bytes(tensors, metadata=metadata)
-                write_atomic(path, payload, index)
+                write_atomic(path, payload, crash_index=index)
                 crash_point("manifest", index)
                 self._on_written(index, path, hashlib.sha256(payload).hexdigest(), len(payload))
             except BaseException as e:  # surfaced to the producer

@@ -21,19 +21,11 @@ from safetensors.torch import load_file, save_file
 
 from mtp_train.errors import UserError
 from mtp_train.heads.base import DraftHead, HeadSpec, build_head, load_head_config
+from mtp_train.io import fresh_dir, replace_dir, write_atomic, write_json_atomic
 from mtp_train.models.checkpoint import layer_from_hf, layer_to_hf
 from mtp_train.models.config import ModelConfig
-from precompute.manifest import write_json_atomic
 
 LATEST = "latest"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _tmp_dir(root: Path, step: int) -> Path:
@@ -46,10 +38,7 @@ def _optimizer_file(path: Path, rank: int) -> Path:
 
 def begin_checkpoint(root: Path, step: int) -> Path:
     """Rank 0, before any rank writes: a fresh temp directory for step ``step``."""
-    tmp = _tmp_dir(root, step)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    return tmp
+    return fresh_dir(_tmp_dir(root, step))
 
 
 def save_optimizer_shard(root: Path, step: int, rank: int, state: dict[str, Any]) -> None:
@@ -68,12 +57,8 @@ def finish_checkpoint(root: Path, step: int, head: DraftHead, scheduler, state: 
     torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
     write_json_atomic(tmp / "state.json", {**state, "step": step, "scheduler": scheduler.state_dict(),
                                            "optimizer_shards": shards})
-    _fsync_dir(tmp)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    _fsync_dir(root)
-    (root / f".{LATEST}.tmp").write_text(final.name)
-    os.replace(root / f".{LATEST}.tmp", root / LATEST)
+    replace_dir(tmp, final)
+    write_atomic(root / LATEST, final.name)
     for old in sorted(root.glob("step-*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -162,14 +147,10 @@ def head_from_hf(spec: HeadSpec, tensors: dict[str, torch.Tensor], source: str) 
 
 def save_head(out: Path, head: DraftHead, extra: dict[str, Any]) -> None:
     """The final HF-style head directory: ``config.json`` + ``model.safetensors``, replaced atomically."""
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = fresh_dir(out.with_name(f".{out.name}.tmp"))
     save_file(head_to_hf(head), tmp / "model.safetensors", metadata={"format": "pt"})
     write_json_atomic(tmp / "config.json", {**head.spec.to_json(), **extra})
-    _fsync_dir(tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
+    replace_dir(tmp, out)
 
 
 def load_head(root: Path, target: ModelConfig | None = None) -> DraftHead:

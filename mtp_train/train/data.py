@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from mtp_train.io import group_by_tokens
 from precompute.reader import FeatureReader, SequenceRef
-from precompute.run import group_by_tokens
 
 
 @dataclass

@@ -34,6 +34,7 @@ import torch
 from mtp_train.errors import UserError
 from mtp_train.heads import build_head, head_spec
 from mtp_train.heads.frozen import FrozenTarget
+from mtp_train.io import crash_point
 from mtp_train.models.checkpoint import read_layer
 from mtp_train.recipe import Recipe
 from mtp_train.train.checkpoint import (begin_checkpoint, finish_checkpoint, load_checkpoint, load_optimizer_shard,
@@ -42,7 +43,6 @@ from mtp_train.train.data import Batch, load_batch, plan_batches
 from mtp_train.train.loss import LossWeights, head_loss, simulated_tau
 from precompute.manifest import text_fingerprint
 from precompute.reader import FeatureReader
-from precompute.writer import crash_point
 
 
 EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped by a signal after a checkpoint; run again to resume
