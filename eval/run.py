@@ -27,7 +27,8 @@ import torch
 from eval.diagnosis import diagnose
 from eval.metrics import RequestTrace, alpha, distinct2, expected_speedup, group_by, pooled_tau
 from eval.prompts import EvalPrompt, load_prompt_set, render_prompt
-from eval.report import FILES, Comparison, Group, Report, SweepPoint, load_report, write_report
+from eval.render import write_report
+from eval.report import FILES, Comparison, Group, Report, SweepPoint, load_report
 from mtp_train.errors import UserError
 from mtp_train.recipe import Recipe
 from mtp_train.runtime.engine import Engine, GenerationResult

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from eval.diagnosis import SHIFT_GAP, diagnose
-from eval.report import Group, SweepPoint, render_markdown
+from eval.render import render_markdown
+from eval.report import Group, SweepPoint
 from test_report import make_report
 
 

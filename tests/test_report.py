@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from eval.plots import PLOTS
-from eval.report import Group, Report, SweepPoint, compare, load_report, render_html, render_markdown, write_report
+from eval.render import render_html, render_markdown, write_report
+from eval.report import Group, Report, SweepPoint, compare, load_report
 from mtp_train.errors import UserError
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
