@@ -144,7 +144,7 @@ def _load(recipe: Recipe) -> tuple[Engine, Drafter, str, Any]:
     from mtp_train.models.checkpoint import load_transformer
     from mtp_train.runtime.device import default_device, resolve_dtype
     from mtp_train.runtime.speculative import DraftModelDrafter, HeadDrafter
-    from mtp_train.runtime.tp import init_tensor_parallel
+    from mtp_train.models.tp import init_tensor_parallel
 
     device = default_device()
     dtype = resolve_dtype(recipe.target.dtype, device)

@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from mtp_train.errors import UserError
-from mtp_train.models.config import require_family
 
 SINGLE_WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # the decoder families mtp_train.models implements
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,14 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise UserError(f"{path}: {what} must be a JSON object")
     return data
+
+
+def require_family(hf: dict[str, Any], source: str) -> str:
+    """The config's ``model_type``; an unsupported one is refused, listing the supported families."""
+    family = hf.get("model_type")
+    if family not in FAMILIES:
+        raise UserError(f"{source}: model_type {family!r} is not supported; supported: {', '.join(FAMILIES)}")
+    return family
 
 
 def find_checkpoint(root: Path, field: str = "target.path") -> CheckpointFiles:

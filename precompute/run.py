@@ -152,7 +152,7 @@ def run_precompute(
     from tqdm import tqdm
     from mtp_train.runtime.device import default_device, resolve_dtype
     from mtp_train.runtime.engine import Engine
-    from mtp_train.runtime.tp import init_tensor_parallel
+    from mtp_train.models.tp import init_tensor_parallel
 
     start = time.perf_counter()
     worker = resolve_worker(rank, world, recipe.target.tp)

@@ -10,9 +10,9 @@ import torch
 
 from conftest import REPO, TINY_TARGET
 from mtp_train.errors import UserError
+from mtp_train.models.tp import TensorParallel
 from mtp_train.runtime.engine import Engine
 from mtp_train.runtime.sampling import SamplingParams
-from mtp_train.runtime.tp import TensorParallel
 
 
 @pytest.mark.slow

@@ -8,10 +8,10 @@ from pathlib import Path
 import torch
 
 from mtp_train.models.checkpoint import load_transformer
+from mtp_train.models.tp import init_tensor_parallel
 from mtp_train.runtime.engine import Engine
 from mtp_train.runtime.speculative import DraftModelDrafter, SpeculativeDecoder
 from mtp_train.runtime.sampling import SamplingParams
-from mtp_train.runtime.tp import init_tensor_parallel
 
 
 def main(target: str, prompts_file: str, out_file: str, tp_size: int) -> None:

@@ -20,8 +20,8 @@ from mtp_train.errors import UserError
 from mtp_train.heads.attention import DocumentCausalAttention
 from mtp_train.models.config import ModelConfig, RopeConfig
 from mtp_train.models.rope import RotaryEmbedding
+from mtp_train.models.tp import TensorParallel
 from mtp_train.models.transformer import DecoderLayer
-from mtp_train.runtime.tp import TensorParallel
 
 HEADS: dict[str, type[DraftHead]] = {}
 

@@ -16,8 +16,8 @@ from mtp_train.errors import UserError
 from mtp_train.hf_checkpoint import CheckpointFiles, find_checkpoint
 from mtp_train.models.config import ModelConfig
 from mtp_train.models.rope import RotaryEmbedding
+from mtp_train.models.tp import TensorParallel
 from mtp_train.models.transformer import Transformer
-from mtp_train.runtime.tp import TensorParallel
 
 COLUMN, ROW = 0, 1  # TP split along output rows (column-parallel) or input columns (row-parallel)
 Source = tuple[str, int | None]  # (HF name, TP split or None for replicated)

@@ -6,16 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mtp_train.errors import UserError
-
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-
-
-def require_family(hf: dict[str, Any], source: str) -> str:
-    """The config's ``model_type``; an unsupported one is refused, listing the supported families."""
-    family = hf.get("model_type")
-    if family not in FAMILIES:
-        raise UserError(f"{source}: model_type {family!r} is not supported; supported: {', '.join(FAMILIES)}")
-    return family
+from mtp_train.hf_checkpoint import require_family
 
 
 @dataclass(frozen=True)

@@ -10,14 +10,25 @@ of the MLP channels; the row-parallel projections are summed with an all-reduce.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from mtp_train.models.config import ModelConfig
 from mtp_train.models.rope import RotaryEmbedding
-from mtp_train.runtime.attention import StepAttention as AttentionPlan
-from mtp_train.runtime.tp import TensorParallel
+from mtp_train.models.tp import TensorParallel
+
+
+class AttentionPlan(Protocol):
+    """One step's attention over paged KV, planned by the runtime's backend; the same plan serves every layer."""
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """Store this step's ``k, v [T, Hkv, D]`` in the layer's pages, then attend: ``q [T, Hq, D]`` -> ``[T, Hq, D]``."""
+        ...
 
 
 class RMSNorm(nn.Module):

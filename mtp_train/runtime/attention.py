@@ -13,21 +13,14 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from mtp_train.models.transformer import AttentionPlan
 from mtp_train.runtime.batch import BatchMetadata
 
 
 class AttentionBackend(Protocol):
-    def plan(self, meta: BatchMetadata, num_heads: int, num_kv_heads: int, head_dim: int) -> StepAttention: ...
+    """Plans each step's attention; the plan (``models.transformer.AttentionPlan``) serves every layer."""
 
-
-class StepAttention(Protocol):
-    """A planned step: the same object serves every layer of one forward."""
-
-    def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
-    ) -> torch.Tensor:
-        """Store this step's ``k, v [T, Hkv, D]`` in the layer's pages, then attend: ``q [T, Hq, D]`` -> ``[T, Hq, D]``."""
-        ...
+    def plan(self, meta: BatchMetadata, num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionPlan: ...
 
 
 class TorchStep:

@@ -15,16 +15,16 @@ from pathlib import Path
 
 import torch
 
+from mtp_train.errors import UserError
 from mtp_train.models.checkpoint import load_transformer
+from mtp_train.models.tp import TensorParallel
 from mtp_train.models.transformer import Transformer
 from mtp_train.runtime.attention import select_backend
 from mtp_train.runtime.batch import BatchMetadata, build_batch
-from mtp_train.errors import UserError
 from mtp_train.runtime.kv_cache import KVPool, OutOfPages, PageAllocator
 from mtp_train.runtime.sampling import SamplingParams, sample
 from mtp_train.runtime.scheduler import Scheduler
 from mtp_train.runtime.sequence import RequestStats, Sequence, Status
-from mtp_train.runtime.tp import TensorParallel
 
 LOGITS_CHUNK = 2048  # tokens per lm_head call in score(), so [chunk, vocab] stays small
 

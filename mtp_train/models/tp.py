@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from mtp_train.errors import UserError
+
 
 @dataclass(frozen=True)
 class TensorParallel:
@@ -23,8 +25,6 @@ class TensorParallel:
     def shard(self, n: int, what: str) -> tuple[int, int]:
         """The ``[start, stop)`` of ``n`` items (heads, channels) owned by this rank."""
         if n % self.size:
-            from mtp_train.errors import UserError
-
             raise UserError(f"target.tp: {self.size} does not divide the model's {n} {what}")
         per = n // self.size
         return self.rank * per, (self.rank + 1) * per
@@ -48,8 +48,6 @@ def init_tensor_parallel(size: int, device: torch.device) -> TensorParallel:
     if not dist.is_initialized():
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world != size:
-            from mtp_train.errors import UserError
-
             raise UserError(f"target.tp: {size} needs {size} processes (torchrun --nproc_per_node {size}); got {world}")
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return TensorParallel(rank=dist.get_rank(), size=dist.get_world_size())

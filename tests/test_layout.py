@@ -1,0 +1,98 @@
+"""The house rules: parts import only downward (README, "Layout"), no module cycle, no Python file over 400 lines.
+
+Every import counts, wherever it stands: at the top, inside a function, or under ``TYPE_CHECKING``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("mtp_train", "precompute", "eval")
+MAX_LINES = 400
+
+
+def _module(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+
+
+def _sources() -> dict[str, Path]:
+    return {_module(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+
+
+def _imported(module: str, path: Path, known: set[str]) -> set[str]:
+    """The project's modules that ``module`` imports; ``from a import b`` names ``a.b`` when that is a module."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            found.update(f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names)
+    return {name for name in found if name.split(".")[0] in PACKAGES and name != module}
+
+
+def module_graph() -> dict[str, set[str]]:
+    sources = _sources()
+    return {module: _imported(module, path, set(sources)) for module, path in sources.items()}
+
+
+def part(module: str) -> str:
+    """``mtp_train.<subpackage or module>``, ``precompute`` or ``eval``."""
+    names = module.split(".")
+    return ".".join(names[:2]) if names[0] == "mtp_train" and len(names) > 1 else names[0]
+
+
+def part_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for module, targets in module_graph().items():
+        graph.setdefault(part(module), set()).update(part(t) for t in targets if part(t) != part(module))
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as ``[a, b, ..., a]``, or None."""
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        if node in path:
+            return path[path.index(node):] + [node]
+        if node in done:
+            return None
+        for target in sorted(graph.get(node, ())):
+            cycle = visit(target, path + [node])
+            if cycle:
+                return cycle
+        done.add(node)
+        return None
+
+    return next((c for c in (visit(n, []) for n in sorted(graph)) if c), None)
+
+
+def test_parts_import_only_downward() -> None:
+    cycle = find_cycle(part_graph())
+    assert cycle is None, "import cycle between parts: " + " -> ".join(cycle or [])
+
+
+def test_modules_have_no_import_cycle() -> None:
+    cycle = find_cycle(module_graph())
+    assert cycle is None, "import cycle between modules: " + " -> ".join(cycle or [])
+
+
+def test_the_checker_sees_function_level_imports(tmp_path: Path) -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+    lazy = tmp_path / "run.py"
+    lazy.write_text("def f():\n    from eval.report import Report\n")
+    assert _imported("precompute.run", lazy, {"eval.report"}) == {"eval.report"}
+
+
+def test_no_python_file_over_400_lines() -> None:
+    folders = (*PACKAGES, "bench", "tests", "data")
+    long = {str(p.relative_to(ROOT)): n for f in folders for p in sorted((ROOT / f).rglob("*.py"))
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    assert not long, f"over {MAX_LINES} lines: {long}"
