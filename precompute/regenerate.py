@@ -7,10 +7,12 @@ Text rows are left as they are. Each (row, turn) has its own sampling seed, so t
 which rows share a batch or a rank.
 
 The answers are kept as a dataset file, ``FEATURES/regenerated.rank-RRRRR.jsonl``: a header line
-``{"fingerprint": ...}`` (target, tokenizer, chat template, data, sampling and seed), then one line per
+``{"fingerprint": ...}`` (target, tokenizer, chat template, data files, sampling with its seed, and
+``data.max_length``; not ``max_rows``, so a run over more rows reuses the answers it has), then one line per
 regenerated row, ``{"row_id": N, "messages": [...]}`` (the ``openai`` row format), appended and fsync'd as
-rows finish (every ``save_rows`` rows). A rerun keeps the rows the file already holds (a torn last line from a kill is cut off) and
-generates only the rest; a file with another fingerprint is started afresh.
+rows finish (every ``save_rows`` rows). A rerun keeps the rows the file already holds (a torn last line from a
+kill is cut off) and generates only the rest; a file with another fingerprint is started afresh. The file
+survives ``precompute --overwrite``, so changing what is stored (layers, top-K) does not regenerate.
 """
 
 from __future__ import annotations
@@ -82,8 +84,12 @@ def _prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
 
 
 def regenerate(rows: list[Row], tokenizer: Any, engine: Engine, sampling: SamplingConfig, path: Path | None = None,
-               fingerprint: str = "", save_rows: int = 64, write: bool = True, report_every: float = 30.0) -> list[Row]:
+               fingerprint: str = "", max_length: int | None = None, save_rows: int = 64, write: bool = True,
+               report_every: float = 30.0) -> list[Row]:
     """``rows`` with every chat's assistant turns replaced by the target's answers.
+
+    A conversation whose next turn's prompt already holds ``max_length`` tokens (precompute would truncate
+    that turn away) ends after its last regenerated answer, so nothing is generated only to be cut off.
 
     With ``path``, answers are kept there and reused (module docstring); finished rows are appended
     ``save_rows`` at a time. Progress (rows, tokens, tokens/s) is printed every ``report_every`` seconds.
@@ -102,12 +108,17 @@ def regenerate(rows: list[Row], tokenizer: Any, engine: Engine, sampling: Sampli
     pending: dict[int, tuple[Row, int]] = {}  # request id -> (row, its j-th assistant turn)
     request_ids = itertools.count()
 
-    def submit(r: Row, j: int) -> None:
+    def submit(r: Row, j: int) -> bool:
+        prompt = _prompt(tokenizer, r.content[: turns[r.row_id][j]])
+        if j and max_length is not None and len(prompt) >= max_length:
+            del r.content[turns[r.row_id][j - 1] + 1 :]
+            return False
         params = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, sampling.max_new_tokens,
                                 sampling.seed * 1_000_003 + r.row_id * 101 + j)
         request = next(request_ids)
         pending[request] = (r, j)
-        engine.submit(scheduler, request, _prompt(tokenizer, r.content[: turns[r.row_id][j]]), params)
+        engine.submit(scheduler, request, prompt, params)
+        return True
 
     finished: list[Row] = []
     saves = 0
@@ -137,9 +148,8 @@ def regenerate(rows: list[Row], tokenizer: Any, engine: Engine, sampling: Sampli
                 tokens += len(seq.output)
                 answer = [t for t in seq.output if t not in stop]
                 r.content[turns[r.row_id][j]]["content"] = tokenizer.decode(answer, skip_special_tokens=True)
-                if j + 1 < len(turns[r.row_id]):
-                    submit(r, j + 1)  # the next turn sees this answer, as in a real chat
-                else:
+                # the next turn sees this answer, as in a real chat
+                if j + 1 == len(turns[r.row_id]) or not submit(r, j + 1):
                     finished.append(r)
             if len(finished) >= save_rows:
                 save()

@@ -202,9 +202,9 @@ def run_precompute(
 
         source = {k: fingerprint[k] for k in ("target", "tokenizer", "chat_template", "data")}
         regen_key = text_fingerprint(json.dumps({**source, "sampling": recipe.data.sampling.model_dump(),
-                                                 "max_rows": recipe.data.max_rows}, sort_keys=True))
+                                                 "max_length": recipe.data.max_length}, sort_keys=True))
         rows = regenerate(rows, tokenizer, engine, recipe.data.sampling, regenerated_path(out, worker.rank),
-                          regen_key, write=tp.is_leader)
+                          regen_key, recipe.data.max_length, write=tp.is_leader)
     encoded = encode_many(tokenizer, [r.content for r in rows], recipe.data.max_length, [r.row_id for r in rows])
     by_file = mask_counts(data, rows, encoded)
     masked, total = (sum(c[i] for c in by_file.values()) for i in (0, 1))

@@ -62,3 +62,15 @@ def test_another_fingerprint_starts_afresh(parts, tmp_path):
     lines = path.read_text().splitlines()
     assert json.loads(lines[0]) == {"fingerprint": "new"} and len(lines) == 3
     assert [json.loads(x)["messages"] for x in lines[1:]] == [r.content for r in again]
+
+
+def test_a_conversation_ends_where_precompute_would_truncate(parts):
+    rows, tokenizer, engine = parts
+    first = [tokenizer.apply_chat_template(r.content[:1], add_generation_prompt=True, tokenize=True,
+                                           return_dict=True)["input_ids"] for r in rows[:2]]
+    short = regenerate(rows[:2], tokenizer, engine, SAMPLING, max_length=max(map(len, first)) + 1)
+    full = regenerate(rows[:2], tokenizer, engine, SAMPLING)
+    for cut, whole in zip(short, full):
+        # the second answer's prompt (first turn, its answer, the next user turn) is over the limit: not generated
+        assert [m["role"] for m in cut.content] == ["user", "assistant"]
+        assert cut.content == whole.content[:2]
