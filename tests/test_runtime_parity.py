@@ -30,10 +30,16 @@ def new_sequence() -> Sequence:
     return Sequence(0, [], SamplingParams(), frozenset(), 0)
 
 
+def forward_new(engine: Engine, scheduled: list[tuple[Sequence, list[int]]]):
+    """Reserve pages for the sequences' new tokens, then forward them."""
+    engine.reserve(scheduled)
+    return engine.forward(scheduled)
+
+
 def prefill_logits(engine: Engine, seqs: list[list[int]]) -> list[torch.Tensor]:
     """All sequences in one packed prefill; logits ``[len, vocab]`` per sequence."""
     handles = [new_sequence() for _ in seqs]
-    meta, hidden, _ = engine.extend(list(zip(handles, seqs)))
+    meta, hidden, _ = forward_new(engine, list(zip(handles, seqs)))
     logits = engine.model.logits(hidden)
     for h in handles:
         engine.release(h)
@@ -47,10 +53,10 @@ def decode_logits(engine: Engine, tokens: list[int], prefill: int, step: int = 1
     ``step == 1`` is plain decoding; ``step == k + 1`` is the shape of a speculative verify batch.
     """
     seq = new_sequence()
-    _, hidden, _ = engine.extend([(seq, tokens[:prefill])])
+    _, hidden, _ = forward_new(engine, [(seq, tokens[:prefill])])
     rows = [engine.model.logits(hidden[-1:])]
     for i in range(prefill, len(tokens), step):
-        _, hidden, _ = engine.extend([(seq, tokens[i : i + step])])
+        _, hidden, _ = forward_new(engine, [(seq, tokens[i : i + step])])
         rows.append(engine.model.logits(hidden))
     engine.release(seq)
     return torch.cat(rows)

@@ -102,11 +102,17 @@ def test_a_useless_draft_still_gives_the_correct_output(prompts, reference):
     assert sum(steps) / len(steps) < 1.2
 
 
-def _random_head(engine):
+def _random_head(engine, kind: str = "mtp"):
     from mtp_train.heads import build_head, head_spec
 
     torch.manual_seed(0)
-    return build_head(head_spec("mtp", 1, engine.cfg, "random"))
+    return build_head(head_spec(kind, 1, engine.cfg, "random"))
+
+
+@pytest.mark.parametrize("kind", ["mtp", "eagle"])
+def test_a_head_drafter_is_named_after_its_head_kind(kind):
+    engine = Engine.from_pretrained(TINY_TARGET)
+    assert HeadDrafter(engine, _random_head(engine, kind)).name == kind
 
 
 def test_sampling_distribution_equals_the_target(random_draft):

@@ -5,6 +5,10 @@ tokens -> ``build_batch()`` packs them into flat metadata -> the backend ``plan(
 step's attention -> ``Transformer.forward()`` writes K/V into the pages and returns hidden
 states -> ``logits()`` at each sequence's last token -> ``sample()`` -> ``Sequence.append()``
 -> finished sequences free their pages.
+
+Entry points: ``generate()`` and ``score()``; ``step()`` (one continuous-batching step on a scheduler that
+``start()`` and ``submit()`` fill); ``forward()`` (one packed batch of scheduled sequences, whose pages the
+scheduler or ``reserve()`` reserved).
 """
 
 from __future__ import annotations
@@ -109,16 +113,21 @@ class Engine:
 
     # -- one forward -------------------------------------------------------------------------------------
 
-    def forward(self, meta: BatchMetadata, capture: list[int] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Run the model over a packed batch whose pages are reserved. Returns pre-norm hidden ``[T, H]``."""
-        cfg = self.cfg
-        step = self.backend.plan(meta, cfg.num_heads // self.tp.size, cfg.num_kv_heads // self.tp.size, cfg.head_dim)
-        return self.model(meta.tokens, meta.positions, step, self.kv.layers, capture)
+    def reserve(self, scheduled: list[tuple[Sequence, list[int]]]) -> None:
+        """Reserve pages for each sequence's new tokens; raises ``OutOfPages`` before touching any when short."""
+        need = sum(self.allocator.pages_needed(seq.pages, len(new)) for seq, new in scheduled)
+        if need > self.allocator.num_free:
+            raise OutOfPages(f"need {need} pages, {self.allocator.num_free} free")
+        for seq, new in scheduled:
+            self.allocator.reserve(seq.pages, len(new))
 
-    def run_scheduled(
+    def forward(
         self, scheduled: list[tuple[Sequence, list[int]]], capture: list[int] = ()
     ) -> tuple[BatchMetadata, torch.Tensor, list[torch.Tensor]]:
-        """Forward each sequence's new tokens, whose pages are already reserved (``seq.cached`` counts them)."""
+        """Forward each sequence's new tokens (prefill, decode or verify), whose pages are reserved.
+
+        Returns the packed batch, the pre-norm hidden states ``[T, H]`` and the outputs of the ``capture`` layers.
+        """
         meta = build_batch(
             [new for _, new in scheduled],
             [seq.cached - len(new) for seq, new in scheduled],
@@ -126,22 +135,10 @@ class Engine:
             self.allocator.page_size,
             self.device,
         )
-        hidden, captured = self.forward(meta, capture)
+        cfg = self.cfg
+        plan = self.backend.plan(meta, cfg.num_heads // self.tp.size, cfg.num_kv_heads // self.tp.size, cfg.head_dim)
+        hidden, captured = self.model(meta.tokens, meta.positions, plan, self.kv.layers, capture)
         return meta, hidden, captured
-
-    def extend(
-        self, scheduled: list[tuple[Sequence, list[int]]], capture: list[int] = ()
-    ) -> tuple[BatchMetadata, torch.Tensor, list[torch.Tensor]]:
-        """Reserve pages for each sequence's new tokens and forward them (prefill, decode or verify).
-
-        Raises ``OutOfPages`` before touching anything when the pages do not suffice.
-        """
-        need = sum(self.allocator.pages_needed(seq.pages, len(new)) for seq, new in scheduled)
-        if need > self.allocator.num_free:
-            raise OutOfPages(f"need {need} pages, {self.allocator.num_free} free")
-        for seq, new in scheduled:
-            self.allocator.reserve(seq.pages, len(new))
-        return self.run_scheduled(scheduled, capture)
 
     def release(self, seq: Sequence) -> None:
         self.allocator.free(seq.pages)
@@ -186,7 +183,7 @@ class Engine:
         scheduled = scheduler.schedule()
         if not scheduled:
             raise RuntimeError("scheduler produced an empty batch with work pending")
-        meta, hidden, _ = self.run_scheduled(scheduled)
+        meta, hidden, _ = self.forward(scheduled)
         logits = self.model.logits(hidden[meta.last_token_index])
         seqs = [seq for seq, _ in scheduled]
         tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
@@ -244,7 +241,9 @@ class Engine:
         try:
             last = self.cfg.num_layers - 1
             inner = [lid for lid in layer_ids if lid != last]
-            _, final, captured = self.extend(list(zip(seqs, batch)), inner)
+            scheduled = list(zip(seqs, batch))
+            self.reserve(scheduled)
+            _, final, captured = self.forward(scheduled, inner)
             by_layer = dict(zip(inner, captured))
             by_layer[last] = final
             hidden = torch.stack([by_layer[lid] for lid in layer_ids], dim=1)

@@ -56,7 +56,7 @@ class Feed:
 class Drafter:
     """A draft with its own K/V pool, whose pages come from the engine's allocator (``seq.draft_pages``)."""
 
-    name = ""
+    name = ""  # what reports call it: "draft_target", "mtp", "eagle" or "bigram"
 
     def __init__(self, engine: Engine, num_layers: int, dtype: torch.dtype, sliding_window: int | None) -> None:
         self.engine = engine
@@ -144,9 +144,8 @@ class DraftModelDrafter(TokenDrafter):
 class HeadDrafter(Drafter):
     """MTP (or EAGLE): a trained head over the target's hidden states, embedding and lm_head."""
 
-    name = "mtp"
-
     def __init__(self, engine: Engine, head: DraftHead) -> None:
+        self.name = head.spec.kind  # "mtp" or "eagle"
         self.head = head.to(engine.device, engine.model.output.weight.dtype).eval()
         self.target = engine.model
         super().__init__(engine, len(head.layers), engine.model.output.weight.dtype, None)
@@ -330,7 +329,7 @@ class SpeculativeDecoder:
             packed = tp.broadcast(packed.to(engine.device)).cpu()
             drafts = [[int(x) for x in row[:k]] for row, (_, k) in zip(packed, batch)]
         scheduled = [(seq, [seq.tokens[-1]] + d) for (seq, _), d in zip(batch, drafts)]
-        meta, hidden, _ = engine.run_scheduled(scheduled)
+        meta, hidden, _ = engine.forward(scheduled)
         logits = engine.model.logits(hidden)
         decisions = torch.zeros(len(batch), 2, dtype=torch.int64)
         if self.drafter.leader:
