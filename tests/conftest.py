@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gzip
+import json
 import os
 import subprocess
 import sys
@@ -52,3 +54,18 @@ def trained_run(tmp_path_factory) -> Path:
         proc = run_cli(stage, recipe, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
     return recipe
+
+
+def sgd_chat_prompts(count: int, cycle: int) -> list[list[int]]:
+    """``count`` chat prompts for the tiny target from the SGD dev split; prompt i holds 2·(i mod cycle)+1 turns."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(TINY_TARGET)
+    with gzip.open(REPO / "data/sgd/sgd_dev_sharegpt.jsonl.gz", "rt") as f:
+        rows = [json.loads(next(f)) for _ in range(count)]
+    roles = {"human": "user", "gpt": "assistant"}
+    out = []
+    for i, row in enumerate(rows):
+        turns = [{"role": roles[t["from"]], "content": t["value"]} for t in row["conversations"][: 2 * (i % cycle) + 1]]
+        out.append(tok.apply_chat_template(turns, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+    return out

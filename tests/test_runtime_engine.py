@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import gzip
 import json
 
 import pytest
 import torch
 
-from conftest import REPO, TINY_TARGET
+from conftest import TINY_TARGET, sgd_chat_prompts
 from hf_models import save_random_model
 from mtp_train.errors import UserError
 from mtp_train.runtime.engine import Engine
@@ -29,16 +28,7 @@ def hf_tiny():
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
     """8 chat prompts of different lengths from the SGD dev split (1 to 8 user/assistant turns)."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(TINY_TARGET)
-    with gzip.open(REPO / "data/sgd/sgd_dev_sharegpt.jsonl.gz", "rt") as f:
-        rows = [json.loads(next(f)) for _ in range(8)]
-    roles = {"human": "user", "gpt": "assistant"}
-    out = []
-    for i, row in enumerate(rows):
-        turns = [{"role": roles[t["from"]], "content": t["value"]} for t in row["conversations"][: 2 * i + 1]]
-        out.append(tok.apply_chat_template(turns, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+    out = sgd_chat_prompts(8, 8)
     assert len({len(p) for p in out}) == 8
     return out
 

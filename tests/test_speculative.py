@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import gzip
-import json
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO, TINY_TARGET
+from conftest import TINY_TARGET, sgd_chat_prompts
 from hf_models import save_random_model
 from mtp_train.models.checkpoint import load_transformer
 from mtp_train.runtime.engine import Engine
@@ -25,17 +23,7 @@ PRESSURE_PAGES = 40  # 640 slots for 8 sequences of up to ~150 tokens, K/V for t
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
     """16 chat prompts of different lengths from the SGD dev split."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(TINY_TARGET)
-    with gzip.open(REPO / "data/sgd/sgd_dev_sharegpt.jsonl.gz", "rt") as f:
-        rows = [json.loads(next(f)) for _ in range(16)]
-    roles = {"human": "user", "gpt": "assistant"}
-    out = []
-    for i, row in enumerate(rows):
-        turns = [{"role": roles[t["from"]], "content": t["value"]} for t in row["conversations"][: 2 * (i % 4) + 1]]
-        out.append(tok.apply_chat_template(turns, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
-    return out
+    return sgd_chat_prompts(16, 4)
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,9 @@ from mtp_train.models.config import ModelConfig
 from mtp_train.models.rope import RotaryEmbedding
 from mtp_train.models.tp import TensorParallel
 
+CosSin = tuple[torch.Tensor, torch.Tensor]  # RoPE cos and sin at each token's position
+KVPages = tuple[torch.Tensor, torch.Tensor]  # one layer's K and V pages
+
 
 class AttentionPlan(Protocol):
     """One step's attention over paged KV, planned by the runtime's backend; the same plan serves every layer."""
@@ -60,13 +63,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
-        plan: AttentionPlan,
-        kv: tuple[torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos_sin: CosSin, plan: AttentionPlan, kv: KVPages) -> torch.Tensor:
         """``x [T, hidden]`` -> ``[T, hidden]``; writes this step's K/V into the ``kv`` pages."""
         t = x.shape[0]
         qkv = self.wqkv(x).view(t, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
@@ -103,13 +100,7 @@ class DecoderLayer(nn.Module):
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.feed_forward = FeedForward(cfg, tp)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
-        plan: AttentionPlan,
-        kv: tuple[torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos_sin: CosSin, plan: AttentionPlan, kv: KVPages) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos_sin, plan, kv)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -135,7 +126,7 @@ class Transformer(nn.Module):
         tokens: torch.Tensor,
         positions: torch.Tensor,
         plan: AttentionPlan,
-        kv_cache: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        kv_cache: Sequence[KVPages],
         capture: Sequence[int] = (),
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Run the decoder over packed ``tokens [T]`` at ``positions [T]``.
