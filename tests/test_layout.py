@@ -6,6 +6,7 @@ Every import counts, wherever it stands: at the top, inside a function, or under
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,6 +82,19 @@ def test_parts_import_only_downward() -> None:
 def test_modules_have_no_import_cycle() -> None:
     cycle = find_cycle(module_graph())
     assert cycle is None, "import cycle between modules: " + " -> ".join(cycle or [])
+
+
+def test_the_readme_layers_are_the_imports() -> None:
+    """README's list of layers, bottom first: every part is listed (``mtp_train.tools`` stands beside them) and
+    imports only parts on lines above its own."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = readme.split("**Imports go one way: down.**", 1)[1].split("```", 2)[1]
+    level = {name: i for i, line in enumerate(block.splitlines())
+             for name in re.split(r",\s*", line.split("(")[0].strip()) if name}
+    graph = part_graph()
+    assert set(graph) - {"mtp_train", "mtp_train.tools"} <= set(level), "parts missing from README's layers"
+    upward = [f"{a} -> {b}" for a, targets in graph.items() if a in level for b in targets if level[b] >= level[a]]
+    assert not upward, f"imports that README's layers do not allow: {upward}"
 
 
 def test_the_checker_sees_function_level_imports(tmp_path: Path) -> None:
