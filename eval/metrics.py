@@ -1,4 +1,4 @@
-"""Acceptance metrics of speculative decoding, from per-request traces. Pure Python; no model needed.
+"""Acceptance metrics of speculative decoding from per-request traces, and the report's sweep point; no model needed.
 
 Conventions (the definitions of ``DESIGN.md``, "Evaluation"):
 
@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+
+from eval.report import Group, SweepPoint
 
 LENGTH_BUCKETS = ((0, 127, "0-127"), (128, 511, "128-511"), (512, 2047, "512-2047"), (2048, None, "2048+"))
 
@@ -136,3 +138,29 @@ def expected_speedup(tau: float, k: int, c: float) -> float:
     if k < 0 or c < 0:
         raise ValueError(f"need k >= 0 and c >= 0 (got k={k}, c={c})")
     return tau / (1 + k * c)
+
+
+def _group(traces: list[RequestTrace], k: int) -> Group:
+    return Group(num_prompts=len(traces), tau=round(pooled_tau(traces), 4),
+                 alpha=[round(a, 4) for a in alpha(traces, k)[0]], distinct2=round(distinct2(t.output for t in traces), 4))
+
+
+def _prompt_set(trace: RequestTrace) -> str:
+    return trace.prompt_id.split("/", 1)[0]
+
+
+def sweep_point(k: int, temperature: float, traces: list[RequestTrace], c: float, measured: float,
+                lossless: bool | None) -> SweepPoint:
+    """The report's record of one speculative run at (k, temperature): its metrics overall and by group."""
+    tau = pooled_tau(traces)
+    cond, uncond = alpha(traces, k)
+    return SweepPoint(
+        k=k, temperature=temperature, tau=round(tau, 4), alpha=[round(a, 4) for a in cond],
+        alpha_unconditional=[round(a, 4) for a in uncond], draft_cost_ratio=round(c, 4),
+        expected_speedup=round(expected_speedup(tau, k, c), 4), measured_speedup=round(measured, 4),
+        distinct2=round(distinct2(t.output for t in traces), 4), lossless=lossless, num_prompts=len(traces),
+        num_steps=sum(len(t.accepted) for t in traces), generated_tokens=sum(len(t.output) for t in traces),
+        by_category={name: _group(g, k) for name, g in group_by(traces, "category").items()},
+        by_length={name: _group(g, k) for name, g in group_by(traces, "length_bucket").items()},
+        by_prompt_set={name: _group(g, k) for name, g in group_by(traces, _prompt_set).items()},
+    )

@@ -25,10 +25,10 @@ from typing import Any
 import torch
 
 from eval.diagnosis import diagnose
-from eval.metrics import RequestTrace, alpha, distinct2, expected_speedup, group_by, pooled_tau
+from eval.metrics import RequestTrace, sweep_point
 from eval.prompts import EvalPrompt, load_prompt_set, render_prompt
 from eval.render import write_report
-from eval.report import FILES, Comparison, Group, Report, SweepPoint, load_report
+from eval.report import FILES, Comparison, Report, SweepPoint, load_report
 from mtp_train.errors import UserError
 from mtp_train.recipe import Recipe
 from mtp_train.runtime.engine import Engine, GenerationResult
@@ -256,7 +256,7 @@ def _sweep(name: str, engine: Engine, drafter: Drafter, prompts, token_ids, plai
                     mismatches.append(f"{name}, k={k}: {why}")
             t = decoder.timings
             c = (t.draft_s / max(1, t.draft_forwards)) / (plain_s / max(1, plain_steps))
-            point = _sweep_point(k, temperature, prompts, token_ids, results, c, plain_s / spec_s, same)
+            point = sweep_point(k, temperature, _traces(prompts, token_ids, results), c, plain_s / spec_s, same)
             points.append(point)
             if engine.tp.is_leader:
                 print(f"eval: {name} k={k} T={temperature:g}: tau {point.tau:.3f}, alpha "
@@ -292,31 +292,6 @@ def _compare(plain: list[GenerationResult], spec: list[GenerationResult], prompt
 def _traces(prompts, token_ids, results) -> list[RequestTrace]:
     return [RequestTrace(p.prompt_id, p.category, len(ids), r.stats.accepted, r.stats.emitted, r.tokens)
             for p, ids, r in zip(prompts, token_ids, results)]
-
-
-def _group(traces: list[RequestTrace], k: int) -> Group:
-    return Group(num_prompts=len(traces), tau=round(pooled_tau(traces), 4),
-                 alpha=[round(a, 4) for a in alpha(traces, k)[0]], distinct2=round(distinct2(t.output for t in traces), 4))
-
-
-def _sweep_point(k, temperature, prompts, token_ids, results, c, measured, lossless) -> SweepPoint:
-    traces = _traces(prompts, token_ids, results)
-    tau = pooled_tau(traces)
-    cond, uncond = alpha(traces, k)
-    return SweepPoint(
-        k=k, temperature=temperature, tau=round(tau, 4), alpha=[round(a, 4) for a in cond],
-        alpha_unconditional=[round(a, 4) for a in uncond], draft_cost_ratio=round(c, 4),
-        expected_speedup=round(expected_speedup(tau, k, c), 4), measured_speedup=round(measured, 4),
-        distinct2=round(distinct2(t.output for t in traces), 4), lossless=lossless, num_prompts=len(traces),
-        num_steps=sum(len(t.accepted) for t in traces), generated_tokens=sum(len(t.output) for t in traces),
-        by_category={name: _group(g, k) for name, g in group_by(traces, "category").items()},
-        by_length={name: _group(g, k) for name, g in group_by(traces, "length_bucket").items()},
-        by_prompt_set={name: _group(g, k) for name, g in group_by(traces, _prompt_set).items()},
-    )
-
-
-def _prompt_set(trace: RequestTrace) -> str:
-    return trace.prompt_id.split("/", 1)[0]
 
 
 # -- the report --------------------------------------------------------------------------------------------

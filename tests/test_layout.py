@@ -31,8 +31,9 @@ def _imported(module: str, path: Path, known: set[str]) -> set[str]:
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
-            if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            if node.level:  # relative: one dot is the package itself, each further dot one package up
+                names = package.split(".")
+                base = ".".join(names[: len(names) - node.level + 1] + ([base] if base else []))
             found.update(f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names)
     return {name for name in found if name.split(".")[0] in PACKAGES and name != module}
 
