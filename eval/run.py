@@ -91,7 +91,8 @@ def run_eval(recipe: Recipe, baseline: Path | None = None) -> Path:
             return out
     start = time.perf_counter()
     torch.manual_seed(recipe.seed)
-    engine, drafter, mode, head_validation = _load(recipe)
+    engine, drafter, head_validation = _load(recipe)
+    mode = drafter.name  # draft_target, mtp or eagle
     leader = engine.tp.is_leader  # under TP every rank decodes; the leader drafts, decides and writes
     prompts, token_ids, skipped = _prompts(recipe, engine)
     e = recipe.eval
@@ -108,11 +109,11 @@ def run_eval(recipe: Recipe, baseline: Path | None = None) -> Path:
                                  seed=recipe.seed * 1_000_003 + i) for i in range(len(prompts))]
         plain[temperature] = (params, *_plain(engine, token_ids, params))
     mismatches: list[str] = []  # first mismatch of each sweep point that was not lossless
-    sweep = _sweep(mode, engine, drafter, prompts, token_ids, plain, e.k, mismatches)
+    sweep = _sweep(engine, drafter, prompts, token_ids, plain, e.k, mismatches)
     comparisons = []
     for name in e.compare:
         other = _other_drafter(recipe, engine, name)
-        points = _sweep(name, engine, other, prompts, token_ids, plain, e.k, mismatches)
+        points = _sweep(engine, other, prompts, token_ids, plain, e.k, mismatches)
         comparisons.append(Comparison(name=name, sweep=points))
     lossless = not mismatches
     detail = "; ".join(mismatches[:3]) or None
@@ -140,7 +141,7 @@ def rerender(recipe: Recipe, baseline: Path | None = None) -> Path:
 # -- loading -----------------------------------------------------------------------------------------------
 
 
-def _load(recipe: Recipe) -> tuple[Engine, Drafter, str, Any]:
+def _load(recipe: Recipe) -> tuple[Engine, Drafter, Any]:
     from mtp_train.models.checkpoint import load_transformer
     from mtp_train.runtime.device import default_device, resolve_dtype
     from mtp_train.runtime.speculative import DraftModelDrafter, HeadDrafter
@@ -153,7 +154,7 @@ def _load(recipe: Recipe) -> tuple[Engine, Drafter, str, Any]:
                                     max_seqs=recipe.eval.batch_size)
     if recipe.eval.draft_model is not None:
         draft = load_transformer(recipe.eval.draft_model, dtype=dtype, device=device)
-        return engine, DraftModelDrafter(engine, draft), "draft_target", None
+        return engine, DraftModelDrafter(engine, draft), None
 
     from mtp_train.train.checkpoint import load_head
     from mtp_train.train.trainer import head_dir, loss_weights
@@ -173,7 +174,7 @@ def _load(recipe: Recipe) -> tuple[Engine, Drafter, str, Any]:
         ours = runtime_validation(engine, drafter, reader, loss_weights(recipe))
         return {"runtime": ours, "trainer": trainer_numbers}
 
-    return engine, drafter, head.spec.kind, head_validation
+    return engine, drafter, head_validation
 
 
 def _prompts(recipe: Recipe, engine: Engine) -> tuple[list[EvalPrompt], list[list[int]], int]:
@@ -238,7 +239,7 @@ def _other_drafter(recipe: Recipe, engine: Engine, name: str) -> Drafter:
 
 # -- decoding ----------------------------------------------------------------------------------------------
 
-def _sweep(name: str, engine: Engine, drafter: Drafter, prompts, token_ids, plain: dict, ks: list[int],
+def _sweep(engine: Engine, drafter: Drafter, prompts, token_ids, plain: dict, ks: list[int],
            mismatches: list[str]) -> list[SweepPoint]:
     """Speculative decoding at every k and each temperature of ``plain`` (its params, results, time, steps).
     Each temperature-0 point that is not token-identical to plain decoding adds its first mismatch."""
@@ -253,13 +254,13 @@ def _sweep(name: str, engine: Engine, drafter: Drafter, prompts, token_ids, plai
             if temperature == 0:
                 same, why = _compare(reference, results, prompts)
                 if not same:
-                    mismatches.append(f"{name}, k={k}: {why}")
+                    mismatches.append(f"{drafter.name}, k={k}: {why}")
             t = decoder.timings
             c = (t.draft_s / max(1, t.draft_forwards)) / (plain_s / max(1, plain_steps))
             point = sweep_point(k, temperature, _traces(prompts, token_ids, results), c, plain_s / spec_s, same)
             points.append(point)
             if engine.tp.is_leader:
-                print(f"eval: {name} k={k} T={temperature:g}: tau {point.tau:.3f}, alpha "
+                print(f"eval: {drafter.name} k={k} T={temperature:g}: tau {point.tau:.3f}, alpha "
                       f"{[round(a, 3) for a in point.alpha]}, c {c:.3f}, expected x{point.expected_speedup:.2f}, "
                       f"measured x{point.measured_speedup:.2f}" + ("" if same is None else f", lossless {same}"),
                       file=sys.stderr)
