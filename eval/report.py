@@ -170,7 +170,7 @@ def _short(value: Any, limit: int = 60) -> str:
 
 
 def load_report(path: Path) -> Report:
-    """Read a report written by :func:`write_report`; any problem is a one-line :class:`UserError`."""
+    """Read a report written by :func:`eval.render.write_report`; any problem is a one-line :class:`UserError`."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
