@@ -188,6 +188,8 @@ def load_report(path: Path) -> Report:
         raise UserError(f"{path}: not valid JSON (line {e.lineno}): {e.msg}") from None
     if not isinstance(data, dict):
         raise UserError(f"{path}: not a report (expected a JSON object, got {type(data).__name__})")
+    if not {"tau", "sweep", "lossless"} & data.keys():
+        raise UserError(f"{path}: not a report (a JSON object without the fields 'tau', 'sweep' and 'lossless')")
     version = data.get("schema_version", SCHEMA_VERSION)
     if version != SCHEMA_VERSION:
         raise UserError(

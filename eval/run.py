@@ -52,10 +52,10 @@ def _fingerprint(recipe: Recipe, draft_id: str) -> str:
 
 def _head_id(root: Path, what: str) -> str:
     """A trained head's identity: its config (training fingerprint, final metrics) and weight file size."""
-    weights = root / "model.safetensors"
-    if not weights.is_file():
+    weights, config = root / "model.safetensors", root / "config.json"
+    if not weights.is_file() or not config.is_file():
         raise UserError(f"{what}: no trained head in {root}; run `mtp-train train` first")
-    return "head:" + text_fingerprint((root / "config.json").read_text()) + str(weights.stat().st_size)
+    return "head:" + text_fingerprint(config.read_text(errors="replace")) + str(weights.stat().st_size)
 
 
 def _compare_id(recipe: Recipe, name: str) -> str:
@@ -76,6 +76,7 @@ def _draft_id(recipe: Recipe) -> str:
 def run_eval(recipe: Recipe, baseline: Path | None = None) -> Path:
     """Evaluate, write the report, and return the report directory; skipped when it is complete and matches."""
     out = eval_dir(recipe)
+    baseline = _baseline(recipe, baseline)
     draft_id = _draft_id(recipe)
     key = _fingerprint(recipe, draft_id)
     done = out / FILES["json"]
@@ -89,6 +90,7 @@ def run_eval(recipe: Recipe, baseline: Path | None = None) -> Path:
             if baseline is not None:
                 write_report(old, out, baseline)
             return out
+    # Everything the eval reads is loaded (and checked) here, before the first decoding step.
     start = time.perf_counter()
     torch.manual_seed(recipe.seed)
     engine, drafter, head_validation = _load(recipe)
@@ -96,6 +98,7 @@ def run_eval(recipe: Recipe, baseline: Path | None = None) -> Path:
     leader = engine.tp.is_leader  # under TP every rank decodes; the leader drafts, decides and writes
     prompts, token_ids, skipped = _prompts(recipe, engine)
     e = recipe.eval
+    others = {name: _load_other(recipe, engine, name) for name in e.compare}
     if leader:
         print(f"eval: {mode}, {len(prompts)} prompts from {', '.join(e.prompt_sets)}, k={e.k}, T={e.temperatures}, "
               f"batch {e.batch_size}", file=sys.stderr)
@@ -112,7 +115,7 @@ def run_eval(recipe: Recipe, baseline: Path | None = None) -> Path:
     sweep = _sweep(engine, drafter, prompts, token_ids, plain, e.k, mismatches)
     comparisons = []
     for name in e.compare:
-        other = _other_drafter(recipe, engine, name)
+        other = _other_drafter(engine, name, others[name])
         points = _sweep(engine, other, prompts, token_ids, plain, e.k, mismatches)
         comparisons.append(Comparison(name=name, sweep=points))
     lossless = not mismatches
@@ -121,7 +124,7 @@ def run_eval(recipe: Recipe, baseline: Path | None = None) -> Path:
     report = _report(recipe, mode, sweep, lossless, detail, validation, key, skipped, len(prompts))
     report.comparisons = comparisons
     if leader:
-        paths = write_report(report, out, baseline if baseline is not None else recipe.eval.baseline)
+        paths = write_report(report, out, baseline)
         print(f"eval: report -> {paths['html']} ({time.perf_counter() - start:.0f}s)", file=sys.stderr)
     if engine.tp.size > 1:
         torch.distributed.barrier()
@@ -133,12 +136,35 @@ def rerender(recipe: Recipe, baseline: Path | None = None) -> Path:
     path = eval_dir(recipe) / FILES["json"]
     if not path.is_file():
         raise UserError(f"{path} not found; run `mtp-train eval` first")
-    paths = write_report(load_report(path), path.parent, baseline if baseline is not None else recipe.eval.baseline)
+    paths = write_report(load_report(path), path.parent, _baseline(recipe, baseline))
     print(f"report: {paths['html']}", file=sys.stderr)
     return path.parent
 
 
 # -- loading -----------------------------------------------------------------------------------------------
+
+
+def _baseline(recipe: Recipe, given: Path | None) -> Path | None:
+    """The report to compare against (``--baseline``, else ``eval.baseline``), read once up front: a file that is
+    not a report stops the stage before it decodes or writes anything, with a line that names where it came from."""
+    path, source = (given, "--baseline") if given is not None else (recipe.eval.baseline, "eval.baseline")
+    if path is not None:
+        try:
+            load_report(path)
+        except UserError as e:
+            raise UserError(f"{source} {e}; give the report.json of an earlier eval") from None
+    return path
+
+
+def _trained_head(recipe: Recipe, root: Path, engine: Engine):
+    """The head in ``root``, refused when it was trained for another target than the recipe's."""
+    from mtp_train.train.checkpoint import load_head
+
+    head = load_head(root, engine.cfg)
+    if head.spec.target_fingerprint != target_fingerprint(recipe.target.path):
+        raise UserError(f"{root / 'config.json'}: the head was trained for a different target than "
+                        f"{recipe.target.path}; train it again for this target")
+    return head
 
 
 def _load(recipe: Recipe) -> tuple[Engine, Drafter, Any]:
@@ -156,21 +182,18 @@ def _load(recipe: Recipe) -> tuple[Engine, Drafter, Any]:
         draft = load_transformer(recipe.eval.draft_model, dtype=dtype, device=device)
         return engine, DraftModelDrafter(engine, draft), None
 
-    from mtp_train.train.checkpoint import load_head
     from mtp_train.train.trainer import head_dir, loss_weights
     from precompute.reader import FeatureReader
 
     root = head_dir(recipe)
-    head = load_head(root, engine.cfg)
-    if head.spec.target_fingerprint != target_fingerprint(recipe.target.path):
-        raise UserError(f"{root / 'config.json'}: the head was trained for a different target than {recipe.target.path}")
+    head = _trained_head(recipe, root, engine)
     drafter = HeadDrafter(engine, head)
     trainer_numbers = json.loads((root / "config.json").read_text()).get("validation", {})
+    reader = FeatureReader(recipe.features_dir, target=recipe.target.path)  # its shards checked now, read at the end
 
     def head_validation() -> dict[str, Any]:
         from eval.validation import runtime_validation
 
-        reader = FeatureReader(recipe.features_dir, target=recipe.target.path)
         ours = runtime_validation(engine, drafter, reader, loss_weights(recipe))
         return {"runtime": ours, "trainer": trainer_numbers}
 
@@ -220,21 +243,27 @@ def _heldout(recipe: Recipe) -> dict[str, Any]:
     return {"heldout_rows": rows, "heldout_ids": ids}
 
 
-def _other_drafter(recipe: Recipe, engine: Engine, name: str) -> Drafter:
-    """A comparison draft: another trained head kind, or the bigram baseline from the training features."""
-    from mtp_train.runtime.speculative import BigramDrafter, HeadDrafter
+def _load_other(recipe: Recipe, engine: Engine, name: str):
+    """What a comparison draft needs: another trained head kind, or for the bigram baseline its successor table
+    from the training features."""
+    from mtp_train.runtime.speculative import BigramDrafter
     from precompute.reader import FeatureReader
 
     if name == "bigram":
         reader = FeatureReader(recipe.features_dir, target=recipe.target.path)
         tokens = [reader.load(ref)["input_ids"] for ref in reader.train]
-        return BigramDrafter(engine, BigramDrafter.from_tokens(tokens, engine.cfg.vocab_size))
-    from mtp_train.train.checkpoint import load_head
-
+        return BigramDrafter.from_tokens(tokens, engine.cfg.vocab_size)
     root = recipe.output_dir / "heads" / name
     if not (root / "model.safetensors").is_file():
         raise UserError(f"eval.compare: no trained {name!r} head in {root}; run `mtp-train train` with it first")
-    return HeadDrafter(engine, load_head(root, engine.cfg))
+    return _trained_head(recipe, root, engine)
+
+
+def _other_drafter(engine: Engine, name: str, loaded) -> Drafter:
+    """A comparison draft from what ``_load_other`` loaded."""
+    from mtp_train.runtime.speculative import BigramDrafter, HeadDrafter
+
+    return BigramDrafter(engine, loaded) if name == "bigram" else HeadDrafter(engine, loaded)
 
 
 # -- decoding ----------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from mtp_train.errors import UserError
 from precompute.manifest import Manifest, target_fingerprint
@@ -61,8 +61,7 @@ class FeatureReader:
         self._ahead_pool: ThreadPoolExecutor | None = None
         self._pending: dict[str, Future] = {}  # shard -> its read ahead
         for entry in self.manifest.shards:
-            with safe_open(self.root / entry.file, framework="pt") as f:
-                cu = f.get_tensor("cu_seqlens").tolist()
+            cu = _check_shard(self.root / entry.file, entry.bytes)
             for row_id, a, b in zip(entry.row_ids, cu[:-1], cu[1:]):
                 self.sequences.append(SequenceRef(row_id, entry.file, a, b))
         heldout = set(self.manifest.heldout_row_ids)
@@ -232,13 +231,49 @@ _DTYPES = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16, "
            "I64": torch.int64, "U8": torch.uint8}
 
 
+def damaged(path: Path, problem: str) -> UserError:
+    """A shard that does not read as its manifest says: one line naming it and the command that checks them all."""
+    return UserError(f"{path}: {problem}; check the features with `mtp-train verify {path.parent}` "
+                     "(`mtp-train precompute RECIPE --overwrite` writes them again)")
+
+
+def _check_shard(path: Path, size: int) -> list[int]:
+    """The shard's ``cu_seqlens``, once it is there with the manifest's size and a header that reads (no hashing:
+    ``mtp-train verify`` checks the contents)."""
+    try:
+        actual = path.stat().st_size
+    except FileNotFoundError:
+        raise damaged(path, "missing") from None
+    if actual != size:
+        raise damaged(path, f"{actual} bytes, the manifest says {size} (truncated or replaced)")
+    _read_header(path)
+    try:
+        with safe_open(path, framework="pt") as f:
+            return f.get_tensor("cu_seqlens").tolist()
+    except SafetensorError as e:
+        raise damaged(path, f"unreadable ({str(e).splitlines()[0][:160]})") from None
+
+
 def _read_header(path: Path) -> tuple[dict[str, tuple[torch.dtype, list[int], int]], int]:
-    """Each tensor's (dtype, shape, byte offset in the data section), and where the data section starts."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    return {k: (_DTYPES[v["dtype"]], v["shape"], v["data_offsets"][0]) for k, v in header.items()}, 8 + n
+    """Each tensor's (dtype, shape, byte offset in the data section), and where the data section starts; a file
+    that is missing, shorter than its header says or whose header does not parse is a :func:`damaged` shard."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+            size = os.fstat(f.fileno()).st_size
+        header.pop("__metadata__", None)
+        meta = {k: (_DTYPES[v["dtype"]], v["shape"], v["data_offsets"][0]) for k, v in header.items()}
+        end = max((v["data_offsets"][1] for v in header.values()), default=0)
+    except FileNotFoundError:
+        raise damaged(Path(path), "missing") from None
+    except OSError as e:
+        raise damaged(Path(path), f"cannot be read ({e.strerror or e})") from None
+    except (struct.error, ValueError, KeyError, TypeError, AttributeError, IndexError):  # ValueError: bad JSON/UTF-8
+        raise damaged(Path(path), "its safetensors header does not parse") from None
+    if 8 + n + end > size:
+        raise damaged(Path(path), f"file ends at byte {size}, before the data its header lists (truncated)")
+    return meta, 8 + n
 
 
 class ShardFile:
@@ -252,15 +287,23 @@ class ShardFile:
         self.path = str(path)
         meta, data = _read_header(path)
         self.meta = {k: (dtype, shape, data + offset) for k, (dtype, shape, offset) in meta.items()}
-        self.fd = os.open(path, os.O_RDONLY)
+        try:
+            self.fd = os.open(path, os.O_RDONLY)
+        except OSError as e:
+            raise damaged(Path(path), f"cannot be opened ({e.strerror or e})") from None
         weakref.finalize(self, os.close, self.fd)
 
     def read_into(self, buf: memoryview, offset: int) -> None:
-        """Fill ``buf`` with the file's bytes from ``offset``; a file that ends early is an error."""
+        """Fill ``buf`` with the file's bytes from ``offset``; a file that ends early or fails to read is a
+        :func:`damaged` shard."""
         while len(buf):
-            n = os.preadv(self.fd, [buf], offset)
+            try:
+                n = os.preadv(self.fd, [buf], offset)
+            except OSError as e:
+                raise damaged(Path(self.path), f"read failed at byte {offset} ({e.strerror or e})") from None
             if n == 0:
-                raise UserError(f"{self.path}: file ends at byte {offset}, before the data its header lists")
+                raise damaged(Path(self.path),
+                              f"file ends at byte {offset}, before the data its header lists (truncated)")
             buf, offset = buf[n:], offset + n
 
 

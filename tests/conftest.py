@@ -31,6 +31,17 @@ def run_cli(*args: str | os.PathLike[str], cwd: Path = REPO, timeout: float = 12
     )
 
 
+def assert_one_line_user_error(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
+    """Exit status 2, nothing on stdout, and one line on stderr holding every needle (no traceback)."""
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    assert proc.stdout == ""
+
+
 @pytest.fixture
 def cli():
     return run_cli

@@ -12,17 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, TINY_RECIPE, TINY_TARGET, run_cli
-
-
-def assert_one_line_user_error(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
-    assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    assert proc.stdout == ""
+from conftest import REPO, TINY_RECIPE, TINY_TARGET, assert_one_line_user_error, run_cli
 
 
 def test_help_is_fast_and_imports_no_torch():

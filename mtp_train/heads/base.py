@@ -53,8 +53,10 @@ class HeadSpec:
             target["rope"] = RopeConfig(**target["rope"])
             return cls(data["kind"], int(data["num_layers"]), ModelConfig(**target), data["target_fingerprint"],
                        data["hidden_input"], bool(data["zero_embed_at_position0"]))
-        except (KeyError, TypeError) as e:
-            raise UserError(f"{source}: not a head config ({e})") from None
+        except KeyError as e:
+            raise UserError(f"{source}: not a head config (no {e.args[0]!r} field)") from None
+        except (TypeError, ValueError) as e:
+            raise UserError(f"{source}: not a head config ({str(e)[:160]})") from None
 
 
 class DraftHead(nn.Module):
@@ -116,6 +118,9 @@ def load_head_config(root: Path) -> HeadSpec:
     if not path.is_file():
         raise UserError(f"{path} not found; a head checkpoint needs config.json")
     try:
-        return HeadSpec.from_json(json.loads(path.read_text()), str(path))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
-        raise UserError(f"{path}: invalid JSON ({e.msg})") from None
+        raise UserError(f"{path}: invalid JSON ({e.msg}); train the head again with `mtp-train train`") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not UTF-8 text; train the head again with `mtp-train train`") from None
+    return HeadSpec.from_json(data, str(path))

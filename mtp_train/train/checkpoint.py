@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from mtp_train.errors import UserError
@@ -64,9 +66,33 @@ def finish_checkpoint(root: Path, step: int, head: DraftHead, scheduler, state: 
     return final
 
 
-def _corrupt(path: Path, pointer: Path, e: Exception) -> UserError:
-    return UserError(f"{path}: checkpoint is corrupt or incomplete ({str(e).splitlines()[0][:160]}); "
-                     f"delete it and point {pointer} at an older one, or start over")
+# What reading a missing, truncated or foreign file raises (ValueError: bad JSON or UTF-8; KeyError: an entry
+# missing). Code bugs raise other errors and surface as tracebacks.
+UNREADABLE = (OSError, ValueError, KeyError, EOFError, pickle.UnpicklingError, SafetensorError)
+
+
+def _corrupt(file: Path, pointer: Path, e: Exception) -> UserError:
+    """One line naming the damaged file of a checkpoint and what to do."""
+    detail = (str(e).splitlines() or [type(e).__name__])[0].split(". ")[0][:160]
+    return UserError(f"{file}: checkpoint is corrupt or incomplete ({detail}); delete {file.parent} and point "
+                     f"{pointer} at an older one, or start over")
+
+
+def _load_pt(path: Path) -> Any:
+    """A tensor-only ``torch.load``; torch's zip reader reports a truncated or foreign file as a RuntimeError,
+    turned here into a ValueError (one of ``UNREADABLE``)."""
+    try:
+        return torch.load(path, weights_only=True)
+    except RuntimeError as e:
+        raise ValueError(str(e)) from None
+
+
+def _load_state(path: Path) -> dict[str, Any]:
+    """``state.json``; anything but an object with an integer ``step`` and a ``scheduler`` is a ValueError."""
+    state = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int) or "scheduler" not in state:
+        raise ValueError("not a checkpoint's state: a JSON object with 'step' and 'scheduler'")
+    return state
 
 
 def load_checkpoint(root: Path, head: DraftHead, scheduler) -> tuple[Path, dict[str, Any]] | None:
@@ -77,15 +103,26 @@ def load_checkpoint(root: Path, head: DraftHead, scheduler) -> tuple[Path, dict[
     pointer = root / LATEST
     if not pointer.is_file():
         return None
-    path = root / pointer.read_text().strip()
     try:
-        head.load_state_dict(load_file(path / "head.safetensors"))
-        rng = torch.load(path / "rng.pt", weights_only=True)
-        state = json.loads((path / "state.json").read_text())
+        path = root / pointer.read_text(encoding="utf-8").strip()
+    except UNREADABLE as e:
+        raise UserError(f"{pointer}: not a checkpoint name ({e}); write the name of a step-* directory into it, "
+                        f"or delete {root} to start over") from None
+    if not path.name.startswith("step-") or not path.is_dir():
+        raise UserError(f"{pointer}: names {path.name!r}, which is not a checkpoint directory here; write the name "
+                        f"of a step-* directory into it, or delete {root} to start over")
+    file = path / "head.safetensors"
+    try:
+        tensors = load_file(file)
+        head.load_state_dict(tensors)
+        file = path / "rng.pt"
+        rng = _load_pt(file)["torch"]
+        torch.set_rng_state(rng)
+        file = path / "state.json"
+        state = _load_state(file)
         scheduler.load_state_dict(state.pop("scheduler"))
-    except Exception as e:  # a missing, truncated or foreign file
-        raise _corrupt(path, pointer, e) from None
-    torch.set_rng_state(rng["torch"])
+    except (*UNREADABLE, RuntimeError, TypeError) as e:  # RuntimeError, TypeError: another head's tensors or state
+        raise _corrupt(file, pointer, e) from None
     return path, state
 
 
@@ -100,9 +137,9 @@ def load_optimizer_shard(path: Path, state: dict[str, Any], rank: int, world: in
                         f"resume with train.engine=deepspeed")
     file = _optimizer_file(path, rank if sharded else 0)
     try:
-        return torch.load(file, weights_only=True)
-    except Exception as e:
-        raise _corrupt(path, path.parent / LATEST, e) from None
+        return _load_pt(file)
+    except UNREADABLE as e:
+        raise _corrupt(file, path.parent / LATEST, e) from None
 
 
 def head_to_hf(head: DraftHead) -> dict[str, torch.Tensor]:
@@ -164,6 +201,20 @@ def load_head(root: Path, target: ModelConfig | None = None) -> DraftHead:
     path = root / "model.safetensors"
     try:
         tensors = load_file(path)
-    except Exception as e:
-        raise UserError(f"{path}: cannot be read ({str(e).splitlines()[0][:160]})") from None
+    except (OSError, SafetensorError) as e:
+        raise UserError(f"{path}: cannot be read ({str(e).splitlines()[0][:160]}); "
+                        "train the head again with `mtp-train train`") from None
     return head_from_hf(spec, tensors, str(path)).eval()
+
+
+def head_is_complete(root: Path, training_fingerprint: str) -> bool:
+    """Whether ``root`` holds the head of this training: its config names ``training_fingerprint`` and its
+    ``model.safetensors`` is whole (its header covers the file). A damaged head is not complete: training again
+    rewrites it."""
+    try:
+        config = json.loads((root / "config.json").read_text())
+        with safe_open(root / "model.safetensors", framework="pt"):
+            pass
+    except (OSError, ValueError, SafetensorError):
+        return False
+    return isinstance(config, dict) and config.get("training_fingerprint") == training_fingerprint

@@ -37,8 +37,8 @@ from mtp_train.heads.frozen import FrozenTarget
 from mtp_train.io import crash_point
 from mtp_train.models.checkpoint import read_layer
 from mtp_train.recipe import Recipe
-from mtp_train.train.checkpoint import (begin_checkpoint, finish_checkpoint, load_checkpoint, load_optimizer_shard,
-                                        save_head, save_optimizer_shard)
+from mtp_train.train.checkpoint import (begin_checkpoint, finish_checkpoint, head_is_complete, load_checkpoint,
+                                        load_optimizer_shard, save_head, save_optimizer_shard)
 from mtp_train.train.data import Batch, load_batch, plan_batches
 from mtp_train.train.loss import LossWeights, head_loss, simulated_tau
 from precompute.manifest import text_fingerprint
@@ -167,8 +167,7 @@ def run_train(recipe: Recipe) -> Path:
     train_key = text_fingerprint(json.dumps(
         {"recipe_train": recipe.train.model_dump(mode="json"), "head": recipe.head.model_dump(mode="json"),
          "seed": recipe.seed, "features": reader.manifest.fingerprint}, sort_keys=True))
-    done_file = out / "config.json"
-    if done_file.is_file() and json.loads(done_file.read_text()).get("training_fingerprint") == train_key:
+    if head_is_complete(out, train_key):
         print(f"train: {out} is complete and matches the recipe; skipped", file=sys.stderr)
         return out
 
