@@ -98,8 +98,20 @@ def test_verify_batches_match_transformers(family_model):
     assert_close(decode_logits(engine, tokens, prefill=5, step=4), hf_logits(model, tokens)[4:])
 
 
-def test_sliding_window_is_exercised():
-    assert FAMILY_OPTIONS["mistral"]["sliding_window"] < 30, "the decode test must run past the window"
+def test_sliding_window_is_exercised(tmp_path):
+    """The runtime reads the mistral checkpoint's window, and the window is in force within the decode test's 30
+    tokens: against the same weights without a window, its logits are the same up to the window and differ at
+    every position past it."""
+    model = save_random_model("mistral", tmp_path / "window")
+    save_random_model("mistral", tmp_path / "full", sliding_window=None)
+    engine = Engine.from_pretrained(tmp_path / "window", page_size=4)
+    window = engine.cfg.sliding_window
+    assert window == model.config.sliding_window and 5 < window < 30
+    (tokens,) = random_sequences(model.config.vocab_size, [30], seed=1)
+    ours = decode_logits(engine, tokens, prefill=5)  # rows are positions 4..29
+    full = decode_logits(Engine.from_pretrained(tmp_path / "full", page_size=4), tokens, prefill=5)
+    assert_close(ours[: window - 4], full[: window - 4])
+    assert (ours[window - 4 :] - full[window - 4 :]).abs().amax(-1).min() > 1e-3
 
 
 def test_tied_embeddings_and_sharded_index(tmp_path):
