@@ -122,3 +122,39 @@ def test_stock_template_precompute_train_eval(tmp_path):
     assert report["lossless"] is True
     assert not report["val_mismatch"]
     assert 1.0 <= report["tau"] <= 3.0
+
+
+@needs_model
+@pytest.mark.slow
+def test_regeneration_on_general_prompts_writes_what_transformers_generates(models, tmp_path):
+    """Precompute regenerates shipped Dolly prompts: the kept answers and the masked tokens are the target's
+    greedy answers, as transformers generates them."""
+    import gzip
+
+    tokenizer, _, hf, _ = models
+    with gzip.open(REPO / "data/general/prompts.jsonl.gz", "rt") as f:
+        rows = [json.loads(next(f)) for _ in range(4)]
+    data = write_jsonl(tmp_path / "general.jsonl", rows)
+    recipe = make_recipe(
+        tmp_path, data, target={"path": str(SMOLLM2), "dtype": "float32"},
+        data={"format": "openai", "max_length": 512, "heldout_rows": 0, "regenerate": True,
+              "sampling": {"temperature": 0.0, "max_new_tokens": 16}},
+        precompute={"layers": [-1], "topk": 8, "shard_tokens": 4096, "batch_tokens": 2048},
+    )
+    proc = run_cli("precompute", recipe, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "regenerate: 4/4 rows" in proc.stderr and "tok/s" in proc.stderr
+    features = tmp_path / "run" / "features"
+    lines = (features / "regenerated.rank-00000.jsonl").read_text().splitlines()
+    kept = {json.loads(x)["row_id"]: json.loads(x)["messages"] for x in lines[1:]}
+    assert sorted(kept) == [0, 1, 2, 3]
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for i, row in enumerate(rows):
+        prompt = tokenizer.apply_chat_template(row["messages"][:1], add_generation_prompt=True, tokenize=True,
+                                               return_dict=True)["input_ids"]
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=eos,
+                              pad_token_id=eos)[0, len(prompt):].tolist()
+        answer = tokenizer.decode([t for t in ref if t != eos], skip_special_tokens=True)
+        assert kept[i] == [row["messages"][0], {"role": "assistant", "content": answer}]
+        assert answer != row["messages"][1]["content"]
