@@ -6,7 +6,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from mtp_train.errors import UserError
 from precompute.manifest import MERGED, Manifest, load_manifest, rank_manifest_name, union
@@ -54,7 +54,7 @@ def check_shard(root: Path, manifest: Manifest, entry) -> str | None:
         return f"{path}: sha256 mismatch (corrupted)"
     try:
         with safe_open(path, framework="pt") as f:
-            if json.loads(f.metadata().get("row_ids", "null")) != entry.row_ids:
+            if json.loads((f.metadata() or {}).get("row_ids", "null")) != entry.row_ids:
                 return f"{path}: header row ids differ from the manifest's"
             for name, (shape, dtype) in _expected(manifest, entry.num_tokens, entry.num_seqs).items():
                 if name not in f.keys():
@@ -65,7 +65,7 @@ def check_shard(root: Path, manifest: Manifest, entry) -> str | None:
             cu = f.get_tensor("cu_seqlens")
             if int(cu[0]) != 0 or int(cu[-1]) != entry.num_tokens or bool((cu[1:] < cu[:-1]).any()):
                 return f"{path}: cu_seqlens do not partition its {entry.num_tokens} tokens"
-    except Exception as e:  # a damaged header
+    except (SafetensorError, OSError, ValueError) as e:  # a damaged header (ValueError: its row ids not JSON)
         return f"{path}: unreadable safetensors ({e})"
     return None
 
