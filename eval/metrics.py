@@ -141,7 +141,7 @@ def expected_speedup(tau: float, k: int, c: float) -> float:
 
 
 def _group(traces: list[RequestTrace], k: int) -> Group:
-    return Group(num_prompts=len(traces), tau=round(pooled_tau(traces), 4),
+    return Group(num_prompts=len(traces), num_steps=num_steps(traces), tau=round(pooled_tau(traces), 4),
                  alpha=[round(a, 4) for a in alpha(traces, k)[0]], distinct2=round(distinct2(t.output for t in traces), 4))
 
 

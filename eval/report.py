@@ -74,6 +74,8 @@ class Group(BaseModel):
     alpha: list[float]
     distinct2: float
     measured_speedup: float | None = None
+    num_steps: int | None = None
+    """Verify steps in the slice, so that slices can be pooled (α₁ is accepted first drafts / steps)."""
 
 
 class SweepPoint(BaseModel):
