@@ -12,7 +12,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from mtp_train.errors import UserError
 from mtp_train.hf_checkpoint import find_checkpoint
@@ -105,13 +105,26 @@ def save_manifest(path: Path, manifest: Manifest) -> None:
 
 
 def load_manifest(path: Path) -> Manifest:
-    data = json.loads(path.read_text(encoding="utf-8"))
-    data.pop("totals", None)
-    version = data.get("format_version") if isinstance(data, dict) else None
+    """A manifest file; one that does not read as a manifest of this format is a one-line error naming it."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise UserError(f"{path}: not a features manifest ({str(e)[:160]}); "
+                        "rerun precompute with --overwrite") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: not a features manifest (not a JSON object); rerun precompute with --overwrite")
+    version = data.get("format_version")
     if version != FORMAT_VERSION:
         raise UserError(f"{path}: features format {version} is not this toolkit's format {FORMAT_VERSION}; "
                         "rerun precompute with --overwrite")
-    return Manifest.model_validate(data)
+    data.pop("totals", None)
+    try:
+        return Manifest.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise UserError(f"{path}: not a features manifest (field {where!r}: {first['msg']}); "
+                        "rerun precompute with --overwrite") from None
 
 
 def _sha256_files(paths: list[Path]) -> str:

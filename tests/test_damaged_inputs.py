@@ -62,6 +62,15 @@ def test_damaged_shard_stops_training_before_the_first_step(trained_run, tmp_pat
     assert sorted(p.name for p in run.iterdir()) == ["features"]
 
 
+def test_damaged_manifest_is_one_line(trained_run, tmp_path):
+    run = copy_run(trained_run, tmp_path, "features")
+    manifest = run / "features" / "manifest.json"
+    manifest.write_text(manifest.read_text()[:100])
+    proc = run_cli("train", trained_run, f"output_dir={run}")
+    assert_one_line_user_error(proc, f"{manifest}: not a features manifest", "rerun precompute with --overwrite")
+    assert sorted(p.name for p in run.iterdir()) == ["features"]
+
+
 def test_damaged_shard_stops_the_eval_before_the_first_step(trained_run, tmp_path):
     run = copy_run(trained_run, tmp_path, "features", "heads")
     damage_shard(run / "features" / SHARD, "truncated")
