@@ -161,6 +161,11 @@ class TrainConfig(Section):
         "topk",
         description="Target distribution: stored top-K plus log-sum-exp, or exact `lm_head(final_norm(h))`.",
     )
+    loss_tokens: Literal["assistant", "all"] = Field(
+        "assistant",
+        description="Positions the training loss counts: the masked-in (assistant) tokens, or every token, prompts "
+        "included, against the target's own distribution there. Validation always counts assistant tokens.",
+    )
     engine: Literal["ddp", "deepspeed"] = Field("ddp", description="accelerate DDP, or DeepSpeed ZeRO.")
     zero_stage: Literal[1, 2] = Field(1, description="DeepSpeed ZeRO stage when `engine: deepspeed`.")
     save_every: PositiveInt = Field(200, description="Optimizer steps between resumable checkpoints.")

@@ -95,6 +95,16 @@ def test_load_batch_is_bit_identical_to_per_sequence_packing(features, dtype, ba
                              reference_batch(reader, refs, batch_tokens, dtype))
 
 
+def test_every_token_counts_when_asked(features):
+    from precompute.reader import FeatureReader
+
+    reader = FeatureReader(features[0])
+    refs = batches_of(reader, 300)[0]
+    stored, every = load_batch(reader, refs, 300, torch.float32), load_batch(reader, refs, 300, torch.float32, True)
+    assert not stored.loss_mask.all() and every.loss_mask.all()  # prompt tokens too (train.loss_tokens: all)
+    assert torch.equal(stored.tokens, every.tokens) and torch.equal(stored.hidden, every.hidden)
+
+
 def test_cold_page_cache_and_plain_reads_give_the_same_batches(features, monkeypatch):
     import precompute.reader as reader_module
 

@@ -92,8 +92,10 @@ def read_ahead(reader: FeatureReader, refs: list[SequenceRef]) -> None:
         reader.read_ahead(ahead)
 
 
-def load_batch(reader: FeatureReader, refs: list[SequenceRef], batch_tokens: int, dtype: torch.dtype) -> Batch:
+def load_batch(reader: FeatureReader, refs: list[SequenceRef], batch_tokens: int, dtype: torch.dtype,
+               every_token: bool = False) -> Batch:
     """Read and pack ``refs`` (each cut to ``batch_tokens``); the last stored layer is the head's input.
+    ``every_token`` replaces the stored loss mask by all ones (``train.loss_tokens: all``).
 
     Each tensor is read for the whole batch at once (one positioned read per sequence, into a buffer this thread
     reuses) and converted once into a new tensor, with numpy on this thread only: the trainer's prefetch thread
@@ -122,7 +124,7 @@ def load_batch(reader: FeatureReader, refs: list[SequenceRef], batch_tokens: int
     return Batch(
         tokens=convert("input_ids", torch.long),
         hidden=convert("hidden", dtype, last_layer=True),
-        loss_mask=convert("loss_mask", torch.bool),
+        loss_mask=torch.ones(n, dtype=torch.bool) if every_token else convert("loss_mask", torch.bool),
         topk_logprobs=convert("topk_logprobs", dtype) if k else torch.zeros(n, 0),
         topk_ids=convert("topk_ids", torch.long) if k else torch.zeros(n, 0, dtype=torch.long),
         tail_logprob=convert("tail_logprob", torch.float32) if k else torch.zeros(n),

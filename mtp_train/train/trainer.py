@@ -218,7 +218,8 @@ def run_train(recipe: Recipe) -> Path:
             plans[epoch] = plan_batches(reader.train, t.batch_tokens, recipe.seed, epoch)
         plan = plans[epoch]  # a reshuffled epoch can cut a batch or two fewer than epoch 0: wrap around
         ids = plan[((index * t.grad_accum + micro) * world + rank) % len(plan)]
-        return lambda: load_batch(reader, [reader.train[i] for i in ids], t.batch_tokens, torch.float32)
+        return lambda: load_batch(reader, [reader.train[i] for i in ids], t.batch_tokens, torch.float32,
+                                  every_token=t.loss_tokens == "all")
 
     def save_checkpoint(step: int, epoch: int, index: int) -> None:
         accelerator.wait_for_everyone()
