@@ -172,6 +172,8 @@ def test_sigkill_after_a_checkpoint_then_resume_is_exact(tmp_path, features):
     killed = run_train_cli(recipe, crash_at="train:4")
     assert killed.returncode == -signal.SIGKILL
     assert (run_dir / "run" / "checkpoints" / "mtp" / "latest").read_text() == "step-00000004"
+    with open(run_dir / "run" / "train_log.mtp.jsonl", "a") as f:
+        f.write('{"step": 5, "lo')  # a kill in the middle of writing a log line
     resumed = run_train_cli(recipe)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resuming at step 4" in resumed.stderr

@@ -34,7 +34,7 @@ import torch
 from mtp_train.errors import UserError
 from mtp_train.heads import build_head, head_spec
 from mtp_train.heads.frozen import FrozenTarget
-from mtp_train.io import crash_point
+from mtp_train.io import crash_point, write_atomic
 from mtp_train.models.checkpoint import read_layer
 from mtp_train.recipe import Recipe
 from mtp_train.train.checkpoint import (begin_checkpoint, finish_checkpoint, head_is_complete, load_checkpoint,
@@ -149,6 +149,19 @@ def validate(head, frozen, batches: Iterable[Batch], weights: LossWeights, forwa
     }
 
 
+def _trim_log(path: Path, step: int) -> None:
+    """Keep the records of steps the resumed checkpoint has seen; a line torn by a kill is dropped."""
+    kept = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+            kept.append(line + "\n")
+    write_atomic(path, "".join(kept).encode())
+
+
 def _log(path: Path, record: dict[str, Any]) -> None:
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
@@ -198,9 +211,8 @@ def run_train(recipe: Recipe) -> Path:
     log_path = recipe.output_dir / f"train_log.{recipe.head.kind}.jsonl"
     if accelerator.is_main_process:
         recipe.output_dir.mkdir(parents=True, exist_ok=True)
-        if log_path.exists():  # keep only what the resumed checkpoint has seen
-            kept = [line for line in log_path.read_text().splitlines() if json.loads(line)["step"] <= step]
-            log_path.write_text("".join(line + "\n" for line in kept))
+        if log_path.exists():
+            _trim_log(log_path, step)
     run = _wandb(recipe, accelerator.is_main_process)
     weights = loss_weights(recipe)
     if accelerator.is_main_process:
