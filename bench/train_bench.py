@@ -87,24 +87,6 @@ def sequential_read(paths: list[Path], buf: bytearray) -> tuple[int, float]:
     return nbytes, time.perf_counter() - start
 
 
-def per_sequence_batch(reader, refs, batch_tokens: int, dtype: torch.dtype):
-    """The previous ``load_batch``: one ``reader.load`` per sequence, per-sequence conversion, ``torch.cat``."""
-    from mtp_train.train.data import Batch
-
-    parts = [reader.load(r) for r in refs]
-    cut = [min(int(p["input_ids"].numel()), batch_tokens) for p in parts]
-    cu = [0]
-    for n in cut:
-        cu.append(cu[-1] + n)
-
-    def cat(name, fn):
-        return torch.cat([fn(p[name][:n]) for p, n in zip(parts, cut)])
-
-    return Batch(cat("input_ids", lambda t: t.long()), cat("hidden", lambda t: t[:, -1].to(dtype)),
-                 cat("loss_mask", lambda t: t.bool()), cat("topk_logprobs", lambda t: t.to(dtype)),
-                 cat("topk_ids", lambda t: t.long()), cat("tail_logprob", lambda t: t.float()), cu)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--features", type=Path, default=REPO / "runs/tiny/features")
@@ -116,7 +98,7 @@ def main() -> None:
     from mtp_train.heads import build_head, head_spec
     from mtp_train.heads.frozen import FrozenTarget
     from mtp_train.recipe import load_recipe
-    from mtp_train.train.data import SHARD_WINDOW, load_batch, plan_batches, plan_windows, read_ahead
+    from mtp_train.train.data import SHARD_WINDOW, load_batch, pack_per_sequence, plan_batches, plan_windows, read_ahead
     from mtp_train.train.loss import LossWeights, head_loss
     from precompute.reader import FeatureReader
 
@@ -152,7 +134,7 @@ def main() -> None:
                 lengths = [min(x.stop - x.start, batch_tokens) for x in refs]
                 r.read_rows(refs, lengths, {k: staging[k][: sum(lengths) * row_bytes[k]] for k in names})
             else:
-                (load_batch if kind == "new" else per_sequence_batch)(r, refs, batch_tokens, torch.float32)
+                (load_batch if kind == "new" else pack_per_sequence)(r, refs, batch_tokens, torch.float32)
         elapsed = time.perf_counter() - start
         del r
         gc.collect()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mtp_train.errors import UserError
-from mtp_train.train.data import Batch, load_batch, plan_batches
+from mtp_train.train.data import Batch, load_batch, pack_per_sequence, plan_batches
 from precompute_helpers import make_recipe, sgd_rows, write_jsonl
 
 FIELDS = ("tokens", "hidden", "loss_mask", "topk_logprobs", "topk_ids", "tail_logprob")
@@ -35,29 +35,6 @@ def features(tmp_path_factory):
     two_layers = _precompute(tmp_path_factory.mktemp("k8"), rows, layers=[1, -1], topk=8)
     no_topk = _precompute(tmp_path_factory.mktemp("k0"), rows[:6], layers=[-1], topk=0)
     return two_layers, no_topk
-
-
-def reference_batch(reader, refs, batch_tokens, dtype) -> Batch:
-    """The straightforward packing: one ``reader.load`` per sequence, torch conversions, ``torch.cat``."""
-    parts = [reader.load(r) for r in refs]
-    cut = [min(int(p["input_ids"].numel()), batch_tokens) for p in parts]
-    cu = [0]
-    for n in cut:
-        cu.append(cu[-1] + n)
-
-    def cat(name, fn):
-        return torch.cat([fn(p[name][:n]) for p, n in zip(parts, cut)])
-
-    k = reader.manifest.topk
-    return Batch(
-        tokens=cat("input_ids", lambda t: t.long()),
-        hidden=cat("hidden", lambda t: t[:, -1].to(dtype)),
-        loss_mask=cat("loss_mask", lambda t: t.bool()),
-        topk_logprobs=cat("topk_logprobs", lambda t: t.to(dtype)) if k else torch.zeros(cu[-1], 0),
-        topk_ids=cat("topk_ids", lambda t: t.long()) if k else torch.zeros(cu[-1], 0, dtype=torch.long),
-        tail_logprob=cat("tail_logprob", lambda t: t.float()) if k else torch.zeros(cu[-1]),
-        cu_seqlens=cu,
-    )
 
 
 def assert_identical(got: Batch, want: Batch) -> None:
@@ -88,11 +65,11 @@ def test_load_batch_is_bit_identical_to_per_sequence_packing(features, dtype, ba
         assert batch_tokens < 100 or any(len({r.shard for r in refs}) > 1 for refs in batches)  # batches mix shards
         loaded = [load_batch(reader, refs, batch_tokens, dtype) for refs in batches]
         for refs, got in zip(batches, loaded):  # checked after all were loaded: nothing aliases a reused buffer
-            assert_identical(got, reference_batch(reader, refs, batch_tokens, dtype))
+            assert_identical(got, pack_per_sequence(reader, refs, batch_tokens, dtype))
         # every sequence at once, some cut to batch_tokens, in shard order and reversed
         for refs in (reader.sequences, reader.sequences[::-1]):
             assert_identical(load_batch(reader, refs, batch_tokens, dtype),
-                             reference_batch(reader, refs, batch_tokens, dtype))
+                             pack_per_sequence(reader, refs, batch_tokens, dtype))
 
 
 def test_every_token_counts_when_asked(features):
@@ -111,7 +88,7 @@ def test_cold_page_cache_and_plain_reads_give_the_same_batches(features, monkeyp
     root = features[0]
     mapped = reader_module.FeatureReader(root)
     refs = mapped.sequences
-    want = reference_batch(mapped, refs, 300, torch.float32)
+    want = pack_per_sequence(mapped, refs, 300, torch.float32)
     del mapped  # unmaps the shards: pages a live mapping holds cannot be dropped from the page cache
     gc.collect()
     reader = reader_module.FeatureReader(root)
@@ -136,7 +113,7 @@ def test_prefetch_thread_and_validation_can_load_at_once(features):
 
     reader = FeatureReader(features[0])
     batches = batches_of(reader, 60)
-    want = [reference_batch(reader, refs, 60, torch.float32) for refs in batches]
+    want = [pack_per_sequence(reader, refs, 60, torch.float32) for refs in batches]
     got: dict[tuple[int, int], Batch] = {}
 
     def work(worker):
@@ -220,7 +197,7 @@ def test_load_batch_reads_the_window_and_the_next_one_ahead(features, monkeypatc
     assert len(windows) >= 3 and asked == want
     plain = FeatureReader(features[0])
     for ids, batch in zip(plan, got):
-        assert_identical(batch, reference_batch(plain, [refs[i] for i in ids], 300, torch.float32))
+        assert_identical(batch, pack_per_sequence(plain, [refs[i] for i in ids], 300, torch.float32))
     before = len(asked)
     load_batch(reader, refs[1:3], 300, torch.float32)
     assert len(asked) == before

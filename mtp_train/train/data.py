@@ -132,6 +132,28 @@ def load_batch(reader: FeatureReader, refs: list[SequenceRef], batch_tokens: int
     )
 
 
+def pack_per_sequence(reader: FeatureReader, refs: list[SequenceRef], batch_tokens: int, dtype: torch.dtype) -> Batch:
+    """The straightforward packing ``load_batch`` must equal bit for bit: one ``reader.load`` per sequence, torch's
+    conversions, ``torch.cat``. Kept as its reference (tests) and its baseline (``bench/train_bench.py``)."""
+    parts = [reader.load(r) for r in refs]
+    cut = [min(int(p["input_ids"].numel()), batch_tokens) for p in parts]
+    cu = [0, *itertools.accumulate(cut)]
+
+    def cat(name: str, fn) -> torch.Tensor:
+        return torch.cat([fn(p[name][:n]) for p, n in zip(parts, cut)])
+
+    k = reader.manifest.topk
+    return Batch(
+        tokens=cat("input_ids", lambda t: t.long()),
+        hidden=cat("hidden", lambda t: t[:, -1].to(dtype)),
+        loss_mask=cat("loss_mask", lambda t: t.bool()),
+        topk_logprobs=cat("topk_logprobs", lambda t: t.to(dtype)) if k else torch.zeros(cu[-1], 0),
+        topk_ids=cat("topk_ids", lambda t: t.long()) if k else torch.zeros(cu[-1], 0, dtype=torch.long),
+        tail_logprob=cat("tail_logprob", lambda t: t.float()) if k else torch.zeros(cu[-1]),
+        cu_seqlens=cu,
+    )
+
+
 # Stored dtypes as numpy sees their bytes (numpy has no bfloat16: its bits are a uint16).
 _NUMPY = {torch.bfloat16: np.uint16, torch.float16: np.float16, torch.float32: np.float32, torch.int32: np.int32,
           torch.int64: np.int64, torch.uint8: np.uint8}
