@@ -121,7 +121,7 @@ def regenerate(rows: list[Row], tokenizer: Any, engine: Engine, sampling: Sampli
         return True
 
     finished: list[Row] = []
-    saves = 0
+    saves = answers = 0
 
     def save() -> None:
         nonlocal finished, saves
@@ -145,7 +145,7 @@ def regenerate(rows: list[Row], tokenizer: Any, engine: Engine, sampling: Sampli
                 if seq.status is not Status.FINISHED:
                     continue
                 r, j = pending.pop(seq.request_id)
-                tokens += len(seq.output)
+                tokens, answers = tokens + len(seq.output), answers + 1
                 answer = [t for t in seq.output if t not in stop]
                 r.content[turns[r.row_id][j]]["content"] = tokenizer.decode(answer, skip_special_tokens=True)
                 # the next turn sees this answer, as in a real chat
@@ -156,11 +156,11 @@ def regenerate(rows: list[Row], tokenizer: Any, engine: Engine, sampling: Sampli
             now = time.perf_counter()
             if write and now - shown >= report_every:
                 shown = now
-                print(f"regenerate: {len(done) + len(finished)}/{total} rows, {tokens:,} tokens generated, "
-                      f"{tokens / (now - start):,.0f} tok/s", file=sys.stderr)
+                print(f"regenerate: {len(done) + len(finished)}/{total} rows ({answers:,} answers), {tokens:,} tokens "
+                      f"generated, {tokens / (now - start):,.0f} tok/s", file=sys.stderr)
         save()
     if write and chats:
         elapsed = time.perf_counter() - start
-        print(f"regenerate: {len(done)}/{total} rows, {tokens:,} tokens generated in {elapsed:,.0f}s, "
-              f"{tokens / elapsed:,.0f} tok/s", file=sys.stderr)
+        print(f"regenerate: {len(done)}/{total} rows ({answers:,} answers), {tokens:,} tokens generated in "
+              f"{elapsed:,.0f}s, {tokens / elapsed:,.0f} tok/s", file=sys.stderr)
     return [Row(r.row_id, done[r.row_id]) if r.row_id in done else r for r in rows]

@@ -47,7 +47,8 @@ def test_a_killed_regeneration_resumes_without_losing_or_redoing_rows(parts, tmp
         resumed = regenerate(rows, tokenizer, engine, SAMPLING, path, "fp", save_rows=2)
     finally:
         del engine.submit
-    assert "already holds 3 of 6 rows" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "already holds 3 of 6 rows" in err and "regenerate: 6/6 rows (6 answers)" in err and "tok/s" in err
     assert len(calls) == 3 * 2, "only the 3 missing rows, 2 assistant turns each"
     assert [r.content for r in resumed] == [r.content for r in fresh]
     stored = [json.loads(x) for x in path.read_text().splitlines()[1:]]
