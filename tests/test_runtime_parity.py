@@ -98,6 +98,23 @@ def test_verify_batches_match_transformers(family_model):
     assert_close(decode_logits(engine, tokens, prefill=5, step=4), hf_logits(model, tokens)[4:])
 
 
+def test_mixed_step_matches_transformers(family_model):
+    """One forward holding decodes, a fresh prefill and a verify, in an order that interleaves them."""
+    family, root, model = family_model
+    engine = Engine.from_pretrained(root, page_size=4)
+    seqs = random_sequences(model.config.vocab_size, [20, 12, 25, 17], seed=3)
+    cached = [19, 0, 22, 16]  # decode, fresh prefill, verify of 3, decode
+    handles = [new_sequence() for _ in seqs]
+    for h, tokens, n in zip(handles, seqs, cached):
+        if n:
+            forward_new(engine, [(h, tokens[:n])])
+    meta, hidden, _ = forward_new(engine, [(h, tokens[n:]) for h, tokens, n in zip(handles, seqs, cached)])
+    logits = engine.model.logits(hidden)
+    cu = meta.qo_indptr.tolist()
+    for i, (tokens, n) in enumerate(zip(seqs, cached)):
+        assert_close(logits[cu[i] : cu[i + 1]], hf_logits(model, tokens)[n:])
+
+
 def test_sliding_window_is_exercised(tmp_path):
     """The runtime reads the mistral checkpoint's window, and the window is in force within the decode test's 30
     tokens: against the same weights without a window, its logits are the same up to the window and differ at

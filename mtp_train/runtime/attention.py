@@ -1,7 +1,7 @@
 """Attention over paged KV behind one interface: plan once per step, then write and attend per layer.
 
-``torch`` (the CPU default) gathers each sequence's pages into a padded batch and calls SDPA
-with a causal mask offset by the cached length. ``flashinfer`` (CUDA) uses FlashInfer's
+``torch`` (the CPU default) gathers the pages of sequences with as many new tokens into a padded
+batch and calls SDPA with a causal mask offset by the cached length. ``flashinfer`` (CUDA) uses FlashInfer's
 paged prefill wrapper and ``append_paged_kv_cache``; it lives in ``flashinfer_backend.py``
 and is imported only when selected.
 """
@@ -23,80 +23,105 @@ class AttentionBackend(Protocol):
     def plan(self, meta: BatchMetadata, num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionPlan: ...
 
 
-class TorchStep:
-    """SDPA over the pages, in one of two shapes.
+class _Group:
+    """Sequences with the same number of new tokens ``Q``, attended in one padded SDPA call.
 
-    - A batch of fresh prefills (nothing cached before, full attention) needs no pages to be read:
-      each sequence runs causal SDPA on its own new K/V, with no padding and no mask.
-    - Otherwise each sequence's pages are gathered into a padded ``[B, Lmax]`` batch of keys for
-      ``[B, Qmax]`` queries; the mask lets query i of sequence b (absolute position
-      ``kv_len - q_len + i``) see keys at positions ``<= its own`` and, with a sliding window,
-      ``> its own - window``.
+    ``rows [G*Q]`` are their new tokens' rows in the packed batch; ``kv_slots [G, L]`` the cache slots
+    of their keys (``L`` the group's longest); ``mask [G, 1, Q, L]`` lets query i of sequence g
+    (absolute position ``kv_len - Q + i``) see keys at positions ``<= its own`` and, with a sliding
+    window, ``> its own - window``.
     """
 
-    def __init__(self, meta: BatchMetadata, sliding_window: int | None) -> None:
+    def __init__(self, meta: BatchMetadata, seqs: list[int], q_len: int, sliding_window: int | None) -> None:
         dev = meta.tokens.device
-        q_lens = (meta.qo_indptr[1:] - meta.qo_indptr[:-1]).long()
-        kv_lens = meta.kv_lens.long()
-        q_max, kv_max = int(q_lens.max()), int(kv_lens.max())
-        num_tokens = meta.tokens.numel()
-        self.slot_mapping = meta.slot_mapping
-        self.fresh_bounds: list[int] | None = None
-        if sliding_window is None and bool((q_lens == kv_lens).all()):
-            self.fresh_bounds = meta.qo_indptr.tolist()
-            return
-
-        key_pos = torch.arange(kv_max, device=dev)
-        page_slot = meta.page_indptr[:-1, None].long() + key_pos[None, :] // meta.page_size
-        page_slot = page_slot.clamp(max=max(0, meta.page_indices.numel() - 1))
+        index = torch.tensor(seqs, device=dev)
+        kv_lens = meta.kv_lens.long()[index]
+        starts = meta.qo_indptr.long()[index]
+        self.q_len = q_len
+        self.rows = (starts[:, None] + torch.arange(q_len, device=dev)[None, :]).view(-1)
+        self.contiguous = bool((self.rows == torch.arange(self.rows.numel(), device=dev) + self.rows[0]).all())
+        key_pos = torch.arange(int(kv_lens.max()), device=dev)
+        first_page = meta.page_indptr.long()[index]
+        page_slot = (first_page[:, None] + key_pos[None, :] // meta.page_size).clamp(
+            max=max(0, meta.page_indices.numel() - 1))
         key_valid = key_pos[None, :] < kv_lens[:, None]
         slots = meta.page_indices.long()[page_slot] * meta.page_size + key_pos[None, :] % meta.page_size
-        self.kv_slots = torch.where(key_valid, slots, 0)  # [B, Lmax]
-
-        self.uniform_q = int(q_lens.min()) == q_max  # decode, or verify with one k: no query padding
-        q_idx = torch.arange(q_max, device=dev)
-        self.q_valid = q_idx[None, :] < q_lens[:, None]  # [B, Qmax]
-        self.q_rows = torch.where(self.q_valid, meta.qo_indptr[:-1, None].long() + q_idx[None, :], num_tokens)
-        q_pos = kv_lens[:, None] - q_lens[:, None] + q_idx[None, :]  # [B, Qmax]
+        self.kv_slots = torch.where(key_valid, slots, 0)  # [G, L]
+        q_pos = kv_lens[:, None] - q_len + torch.arange(q_len, device=dev)[None, :]  # [G, Q]
         mask = key_valid[:, None, :] & (key_pos[None, None, :] <= q_pos[:, :, None])
         if sliding_window is not None:
             mask &= key_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-        mask[:, :, 0] |= ~self.q_valid  # padded query rows see one key, so they stay finite
         # Additive float mask, built once per step rather than converted from bool in every layer.
-        self.mask = torch.zeros(mask.shape, device=dev).masked_fill_(~mask, float("-inf"))[:, None]  # [B,1,Q,L]
+        self.mask = torch.zeros(mask.shape, device=dev).masked_fill_(~mask, float("-inf"))[:, None]
+
+
+class TorchStep:
+    """SDPA over the pages, split so that no sequence is padded to another's length.
+
+    - A fresh prefill (nothing cached before, full attention) reads no pages: it runs causal SDPA
+      on its own new K/V, with no padding and no mask.
+    - The other sequences are grouped by their number of new tokens (decodes together, verifies of
+      one k together); each group is one SDPA call over its pages (``_Group``).
+
+    A mixed step (many decodes and one long prefill) thus costs what its parts cost, where padding
+    every decode to the prefill's length cost more than the step's matmuls.
+    """
+
+    def __init__(self, meta: BatchMetadata, sliding_window: int | None) -> None:
+        bounds = meta.qo_indptr.tolist()
+        self.slot_mapping = meta.slot_mapping
+        self.num_tokens = bounds[-1]
+        self.fresh: list[tuple[int, int]] = []  # token ranges of fresh prefills
+        by_len: dict[int, list[int]] = {}
+        for b, kv_len in enumerate(meta.kv_lens.tolist()):
+            q_len = bounds[b + 1] - bounds[b]
+            if sliding_window is None and q_len == kv_len:
+                self.fresh.append((bounds[b], bounds[b + 1]))
+            else:
+                by_len.setdefault(q_len, []).append(b)
+        self.groups = [_Group(meta, seqs, q_len, sliding_window) for q_len, seqs in by_len.items()]
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
+        """``q [T, Hq, D]``, ``k``/``v [T, Hkv, D]`` -> ``[T, Hq, D]``, after writing ``k``/``v`` to the cache."""
         k_flat, v_flat = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
         k_flat.index_copy_(0, self.slot_mapping, k.to(k_cache.dtype))
         v_flat.index_copy_(0, self.slot_mapping, v.to(v_cache.dtype))
         gqa = k.shape[1] != q.shape[1]
-        if self.fresh_bounds is not None:
-            b = self.fresh_bounds
+        parts: list[tuple[torch.Tensor | slice, torch.Tensor]] = []
+        for s, e in self.fresh:
             # 4-D [1, H, L, D] inputs take SDPA's fused CPU kernel; 3-D ones do not.
-            parts = [
-                F.scaled_dot_product_attention(
-                    q[None, s:e].transpose(1, 2), k[None, s:e].transpose(1, 2), v[None, s:e].transpose(1, 2),
-                    is_causal=True, enable_gqa=gqa,
-                )[0].transpose(0, 1)
-                for s, e in zip(b[:-1], b[1:])
-            ]
-            return torch.cat(parts) if len(parts) > 1 else parts[0]
-        if self.uniform_q:
-            q_pad = q.view(self.q_rows.shape[0], -1, *q.shape[1:])  # [B, Qmax, Hq, D]
-        else:
-            q_pad = torch.cat([q, q.new_zeros(1, *q.shape[1:])])[self.q_rows]
-        # index_select on the flat slots is several times faster than advanced indexing here.
-        shape = (*self.kv_slots.shape, *k_flat.shape[1:])
-        k_all = k_flat.index_select(0, self.kv_slots.view(-1)).view(shape)  # [B, Lmax, Hkv, D]
-        v_all = v_flat.index_select(0, self.kv_slots.view(-1)).view(shape)
-        out = F.scaled_dot_product_attention(
-            q_pad.transpose(1, 2), k_all.transpose(1, 2).to(q.dtype), v_all.transpose(1, 2).to(q.dtype),
-            attn_mask=self.mask.to(q.dtype), enable_gqa=gqa,
-        )
-        out = out.transpose(1, 2)
-        return out.reshape(-1, *out.shape[2:]) if self.uniform_q else out[self.q_valid]
+            out = F.scaled_dot_product_attention(
+                q[None, s:e].transpose(1, 2), k[None, s:e].transpose(1, 2), v[None, s:e].transpose(1, 2),
+                is_causal=True, enable_gqa=gqa,
+            )
+            parts.append((slice(s, e), out[0].transpose(0, 1)))
+        for g in self.groups:
+            if g.contiguous:
+                start = int(g.rows[0])
+                where: torch.Tensor | slice = slice(start, start + g.rows.numel())
+                q_g = q[where]
+            else:
+                where, q_g = g.rows, q.index_select(0, g.rows)
+            # index_select on the flat slots is several times faster than advanced indexing here.
+            shape = (*g.kv_slots.shape, *k_flat.shape[1:])
+            k_g = k_flat.index_select(0, g.kv_slots.view(-1)).view(shape)  # [G, L, Hkv, D]
+            v_g = v_flat.index_select(0, g.kv_slots.view(-1)).view(shape)
+            out = F.scaled_dot_product_attention(
+                q_g.view(-1, g.q_len, *q.shape[1:]).transpose(1, 2), k_g.transpose(1, 2).to(q.dtype),
+                v_g.transpose(1, 2).to(q.dtype), attn_mask=g.mask.to(q.dtype), enable_gqa=gqa,
+            )
+            parts.append((where, out.transpose(1, 2).reshape(-1, *q.shape[1:])))
+        if len(parts) == 1 and parts[0][1].shape[0] == self.num_tokens:
+            return parts[0][1]
+        out = q.new_empty(q.shape)
+        for where, part in parts:
+            if isinstance(where, slice):
+                out[where] = part
+            else:
+                out.index_copy_(0, where, part)
+        return out
 
 
 class TorchAttention:
