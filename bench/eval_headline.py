@@ -20,7 +20,8 @@ def main(path: str) -> None:
     drafts = [(report["mode"], report["sweep"])] + [(c["name"], c["sweep"]) for c in report.get("comparisons", [])]
     print(f"report: {path} ({report['settings']['num_prompts']} prompts: "
           f"{', '.join(report['settings']['eval']['prompt_sets'])}; device {report['device']})")
-    print(f"lossless: {str(report['lossless']).lower()}; validation per unrolled step (runtime / trainer): "
+    lossless = "n/a" if report["lossless"] is None else str(report["lossless"]).lower()
+    print(f"lossless: {lossless}; validation per unrolled step (runtime / trainer): "
           f"loss {report['val_loss']} / {report['trainer_val_loss']}, top-1 {report['val_acc']} / {report['trainer_val_acc']}")
     print()
     print("| draft | k | T | τ | α_j (conditional) | c | expected speedup | measured speedup | lossless |")

@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from eval.diagnosis import diagnosis_blocks
+from eval.diagnosis import diagnosis_blocks, speedup_note
 from eval.plots import PLOTS, bucket_order, render_plots
 from eval.report import (
     FILES,
@@ -23,6 +23,7 @@ from eval.report import (
     REL_RISE_LOSS,
     TAU_CONVENTION,
     Report,
+    Sample,
     compare,
     load_report,
 )
@@ -37,7 +38,7 @@ __all__ = ["render_html", "render_markdown", "write_report"]
 #   ("p", text)                   a paragraph
 #   ("flag", text)                a warning that must stand out (REGRESSION, MISMATCH, NOT LOSSLESS)
 #   ("table", headers, rows)      a table of strings
-#   ("pre", text)                 preformatted text
+#   ("pre", text)                 preformatted text (JSON when it starts with "{")
 #   ("img", key)                  a plot (HTML only)
 
 
@@ -55,6 +56,18 @@ def _alphas(values: list[float]) -> str:
 
 def _lossless_cell(v: bool | None) -> str:
     return "n/a" if v is None else ("yes" if v else "NO")
+
+
+def sample_blocks(samples: list[Sample]) -> list[tuple]:
+    """Each sample as a heading line and its prompt and reply as preformatted text."""
+    blocks: list[tuple] = [("p", "A few eval prompts per prompt set, with the reply of the headline sweep point. "
+                                 "“identical” means token-identical to plain decoding (checked at T=0 only).")]
+    for i, s in enumerate(samples, 1):
+        mark = {True: "identical to plain decoding", False: "DIFFERS from plain decoding",
+                None: "not compared (T > 0)"}[s.identical_to_plain]
+        blocks.append(("p", f"{i}. {s.prompt_set} / {s.category}: {mark}"))
+        blocks.append(("pre", f"PROMPT\n{s.prompt}\n\nREPLY\n{s.reply}"))
+    return blocks
 
 
 def _signed(x: float, digits: int) -> str:
@@ -82,7 +95,7 @@ def _sections(report: Report) -> list[tuple[str, list[tuple]]]:
     if r.val_mismatch:
         blocks.append(("flag", "MISMATCH: the runtime's validation numbers differ from the trainer's beyond the "
                                f"tolerance {r.val_tolerance:g}."))
-    if not r.lossless:
+    if r.lossless is False:
         blocks.append(("flag", "NOT LOSSLESS: speculative output differs from plain greedy decoding at T=0"
                                + (f" ({r.lossless_detail})" if r.lossless_detail else "") + "."))
     blocks.append(("table", ["metric", "value"], [
@@ -93,9 +106,13 @@ def _sections(report: Report) -> list[tuple[str, list[tuple]]]:
         ["expected speedup τ / (1 + k·c)", _num(r.expected_speedup, 2, "×")],
         ["measured speedup (plain / speculative wall time)", _num(r.measured_speedup, 2, "×")],
         ["distinct-2", _num(r.distinct2, 3)],
-        ["lossless (every T=0 sweep point)", "yes" if r.lossless else "NO"],
+        ["lossless (every T=0 sweep point)", _lossless_cell(r.lossless) + (" (no T=0 sweep point)"
+                                                                           if r.lossless is None else "")],
         ["validation vs trainer", "MISMATCH" if r.val_mismatch else "agree within tolerance"],
     ]))
+    note = speedup_note(r.sweep)
+    if note is not None:
+        blocks.append(("p", note))
     sections.append((f"Headline ({setting})", blocks))
     if r.diagnosis is not None:
         sections.append(("Diagnosis: acceptance against validation", diagnosis_blocks(r.diagnosis)))
@@ -188,13 +205,19 @@ def _sections(report: Report) -> list[tuple[str, list[tuple]]]:
 
     # Lossless.
     t0 = [p for p in r.sweep if p.lossless is not None]
-    if r.lossless:
+    if r.lossless is None:
+        blocks = [("p", "Lossless: n/a. No sweep point ran at temperature 0, where speculative output must be "
+                        "token-identical to plain greedy decoding; add 0.0 to eval.temperatures to check it.")]
+    elif r.lossless:
         blocks = [("p", f"Lossless: yes. At temperature 0 the speculative output was token-identical to the "
                         f"runtime's plain greedy output on every eval prompt ({len(t0)} sweep point(s) checked).")]
     else:
         blocks = [("flag", "Lossless: NO. Speculative output at temperature 0 differs from plain greedy decoding"
                            + (f": {r.lossless_detail}" if r.lossless_detail else "."))]
     sections.append(("Lossless check", blocks))
+
+    if r.samples:
+        sections.append((f"Text samples ({setting})", sample_blocks(r.samples)))
 
     # Baseline.
     if r.baseline is not None:
@@ -248,7 +271,7 @@ def render_markdown(report: Report) -> str:
                 lines.append("")
             elif kind == "pre":
                 fence = "````" if "```" in block[1] else "```"
-                lines += [f"{fence}json", block[1], fence, ""]
+                lines += [fence + ("json" if block[1].startswith("{") else "text"), block[1], fence, ""]
     return "\n".join(lines).rstrip("\n") + "\n"
 
 

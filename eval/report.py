@@ -17,7 +17,8 @@ Baseline comparison (``compare``): deltas are new minus old. A line goes into ``
   unrolled step falls by more than 2 % relative (:data:`REL_DROP`);
 - measured speedup falls by more than 5 % relative (:data:`REL_DROP_MEASURED`; wall time is noisy);
 - validation loss at any unrolled step rises by more than 2 % relative (:data:`REL_RISE_LOSS`);
-- ``lossless`` goes from true to false, or ``val_mismatch`` from false to true (always).
+- ``lossless`` goes from true to false, or ``val_mismatch`` from false to true (always). ``lossless`` is
+  ``None`` (n/a) when no T = 0 sweep point was checked.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ __all__ = [
     "Comparison",
     "Group",
     "Report",
+    "Sample",
     "SweepPoint",
     "compare",
     "load_report",
@@ -101,6 +103,19 @@ class SweepPoint(BaseModel):
     by_prompt_set: dict[str, Group] = Field(default_factory=dict)
 
 
+class Sample(BaseModel):
+    """One eval prompt with the reply of the headline sweep point, to judge by eye whether the target talks sense."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt_set: str
+    category: str
+    prompt: str
+    reply: str
+    identical_to_plain: bool | None
+    """Token-identical to plain decoding (checked at T = 0 only; ``None`` otherwise)."""
+
+
 class Comparison(BaseModel):
     """Another draft decoded on the same prompts (another head kind, or the bigram baseline)."""
 
@@ -134,7 +149,8 @@ class Report(BaseModel):
     alpha_unconditional: list[float]
     k: int
     temperature: float
-    lossless: bool
+    lossless: bool | None
+    """Every T = 0 sweep point token-identical to plain decoding; ``None`` (n/a) when none was at T = 0."""
     lossless_detail: str | None = None
     draft_cost_ratio: float
     expected_speedup: float
@@ -154,6 +170,7 @@ class Report(BaseModel):
     # Everything measured, the context.
     sweep: list[SweepPoint]
     comparisons: list[Comparison] = Field(default_factory=list)
+    samples: list[Sample] = Field(default_factory=list)
     mode: str
     settings: dict[str, Any]
     versions: dict[str, str]
@@ -279,7 +296,7 @@ def compare(report: Report, baseline: Report, path: str) -> BaselineDiff:
     for k, t in old_points:
         notes.append(f"baseline sweep point k={k}, T={t:g} is not in this report")
 
-    if baseline.lossless and not report.lossless:
+    if baseline.lossless and report.lossless is False:
         detail = f": {report.lossless_detail}" if report.lossless_detail else ""
         regressions.append(f"lossless went from true to false{detail}")
     if report.val_mismatch and not baseline.val_mismatch:

@@ -11,7 +11,7 @@ import pytest
 
 from eval.plots import PLOTS
 from eval.render import render_html, render_markdown, write_report
-from eval.report import Group, Report, SweepPoint, compare, load_report
+from eval.report import Group, Report, Sample, SweepPoint, compare, load_report
 from mtp_train.errors import UserError
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -185,3 +185,43 @@ def test_val_mismatch_is_flagged():
     report = make_report(trainer_val_loss=[1.5, 2.0], val_mismatch=True)
     assert "**MISMATCH" in render_markdown(report)
     assert 'class="flag">MISMATCH' in render_html(report, FAKE_PLOTS)
+
+
+def test_lossless_is_na_without_a_temperature_zero_point():
+    sweep = [_point(k, 0.7) for k in (1, 2)]
+    report = make_report(sweep=sweep, lossless=None, temperature=0.7)
+    md = render_markdown(report)
+    assert "| lossless (every T=0 sweep point) | n/a (no T=0 sweep point) |" in md
+    assert "Lossless: n/a. No sweep point ran at temperature 0" in md
+    assert "NOT LOSSLESS" not in md and "Lossless: yes" not in md
+    assert not compare(report, make_report(), "old").regressions  # n/a is not "went from true to false"
+
+
+def test_text_samples_section_marks_identity_with_plain_decoding():
+    samples = [Sample(prompt_set="mt_bench", category="writing", prompt="[user] Write a haiku.", reply="Leaves fall",
+                      identical_to_plain=True),
+               Sample(prompt_set="spec_bench", category="qa", prompt="[user] Why?", reply="Because | so",
+                      identical_to_plain=False)]
+    report = make_report(samples=samples)
+    md = render_markdown(report)
+    section = md.split("## Text samples (k=2, T=0)")[1].split("\n## ")[0]
+    assert "1. mt_bench / writing: identical to plain decoding" in section
+    assert "2. spec_bench / qa: DIFFERS from plain decoding" in section
+    assert "```text\nPROMPT\n[user] Write a haiku.\n\nREPLY\nLeaves fall\n```" in section
+    assert "REPLY\nBecause | so" in render_html(report, FAKE_PLOTS).replace("&#x27;", "'")
+    assert load_report_round_trip(report).samples == samples
+    assert "Text samples" not in render_markdown(make_report())
+
+
+def load_report_round_trip(report: Report) -> Report:
+    return Report.model_validate_json(report.model_dump_json())
+
+
+def test_speedups_all_below_one_are_explained():
+    slow = [p.model_copy(update={"measured_speedup": 0.6, "expected_speedup": 0.9}) for p in make_report().sweep]
+    md = render_markdown(make_report(sweep=slow))
+    assert "Every measured speedup is below 1× (best 0.60×" in md and "accepted too rarely" in md
+    fast_enough_draft = [p.model_copy(update={"expected_speedup": 1.4}) for p in slow]
+    md = render_markdown(make_report(sweep=fast_enough_draft))
+    assert "compute-bound" in md
+    assert "Every measured speedup is below 1×" not in render_markdown(make_report())  # one point is 1.4×
