@@ -214,6 +214,11 @@ class Recipe(Section):
 
     output_dir: RecipePath = Field(description="Everything the run writes goes under this directory.")
     seed: int = Field(0, description="Seed for data order, initialisation and sampling.")
+    threads: PositiveInt | None = Field(
+        None, description="CPU threads per process, in every stage (torch's intra-op threads). Null: the cores this "
+        "process may use divided by the processes a launcher started on the node (`LOCAL_WORLD_SIZE`, else "
+        "`WORLD_SIZE`), at least 1; a single process takes `OMP_NUM_THREADS` when it is set.",
+    )
     target: TargetConfig
     data: DataConfig
     precompute: PrecomputeConfig = Field(default_factory=PrecomputeConfig)

@@ -1,0 +1,70 @@
+"""CPU threads per stage process, and the warning when the machine has more work than cores.
+
+torch starts one thread per core in every process, so N processes on one node (DDP, several precompute workers)
+ask for N times the cores; and on a machine shared with other jobs a stage runs slower than its numbers suggest.
+Each stage sets its threads when it starts (``set_threads``) and, as its long work begins, says in one line when
+the load is already above its cores (``warn_if_oversubscribed``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+
+
+def cores_available() -> int:
+    """The cores this process may run on (its CPU affinity, which SLURM and containers narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def local_processes(env: Mapping[str, str] = os.environ) -> int:
+    """Processes a launcher started on this node: ``LOCAL_WORLD_SIZE`` (torchrun, accelerate), else
+    ``WORLD_SIZE``, else 1."""
+    for name in ("LOCAL_WORLD_SIZE", "WORLD_SIZE"):
+        if env.get(name, "").isdigit() and int(env[name]) > 0:
+            return int(env[name])
+    return 1
+
+
+def default_threads(env: Mapping[str, str] = os.environ, cores: int | None = None) -> int:
+    """The cores divided among the node's processes, at least 1. A single process honours ``OMP_NUM_THREADS``
+    when it is set; launchers of several processes set it to 1 themselves, so there it is not the user's choice."""
+    local = local_processes(env)
+    omp = env.get("OMP_NUM_THREADS", "")
+    if local == 1 and omp.isdigit() and int(omp) > 0:
+        return int(omp)
+    return max(1, (cores if cores is not None else cores_available()) // local)
+
+
+def set_threads(threads: int | None) -> int:
+    """Set torch's intra-op threads to the recipe's ``threads``, or the default; returns the number."""
+    import torch
+
+    n = threads if threads is not None else default_threads()
+    torch.set_num_threads(n)
+    return n
+
+
+def load_warning(stage: str, load: float | None = None, cores: int | None = None) -> str | None:
+    """One line when the 1-minute load average is above the cores available, else None."""
+    cores = cores if cores is not None else cores_available()
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except OSError:  # not available here
+            return None
+    if load <= cores:
+        return None
+    return (f"{stage}: warning: the machine is oversubscribed (1-minute load average {load:.1f} on the {cores} "
+            f"core(s) available); this stage will run slower than it would alone")
+
+
+def warn_if_oversubscribed(stage: str, show: bool = True) -> None:
+    """Print ``load_warning`` on stderr (only where ``show``: the leader rank)."""
+    line = load_warning(stage) if show else None
+    if line:
+        print(line, file=sys.stderr, flush=True)
