@@ -112,7 +112,7 @@ def _add_slurm_parser(sub) -> None:
 
 def _dispatch(args: argparse.Namespace) -> int:
     from mtp_train.errors import StageNotBuilt
-    from mtp_train.pipeline import STAGE_BY_NAME, STAGES, check_inputs, plan_text, run_stage
+    from mtp_train.pipeline import STAGE_BY_NAME, STAGES, check_data, check_inputs, plan_text, run_stage
     from mtp_train.recipe import load_recipe, recipe_to_yaml
 
     if args.command == "verify":
@@ -124,6 +124,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _slurm(args, recipe)
     stages = STAGES if args.command == "run" else (STAGE_BY_NAME[args.command],)
     if args.dry_run:
+        check_data(recipe, stages)
         print("# resolved recipe")
         print(recipe_to_yaml(recipe), end="")
         print(plan_text(recipe, stages))

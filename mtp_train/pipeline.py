@@ -100,6 +100,15 @@ def check_inputs(recipe: Recipe) -> None:
     check_target(ckpt, recipe.target.tp)
 
 
+def check_data(recipe: Recipe, stages: tuple[Stage, ...]) -> None:
+    """When precompute is planned, its template and loss-mask checks on the first rows of the data: the tokenizer
+    only, no weights, so that ``--dry-run`` refuses a template before anything is loaded or queued."""
+    if any(stage.name == "precompute" for stage in stages):
+        from precompute.preflight import check_first_rows
+
+        check_first_rows(recipe)
+
+
 def plan_text(recipe: Recipe, stages: tuple[Stage, ...] = STAGES) -> str:
     lines = ["plan:"]
     for i, stage in enumerate(stages, 1):

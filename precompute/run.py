@@ -8,8 +8,6 @@ in its manifest match it, and continues with the first missing shard.
 
 from __future__ import annotations
 
-import bisect
-import itertools
 import json
 import os
 import sys
@@ -22,8 +20,7 @@ import torch
 from mtp_train.errors import UserError
 from mtp_train.io import crash_point, group_by_tokens
 from mtp_train.recipe import Recipe
-from precompute.chat_mask import require_template
-from precompute.dataset import LoadedData, Row, encode_many, heldout_ids, load_rows, rank_slice
+from precompute.dataset import Row, encode_many, heldout_ids, load_rows, rank_slice
 from precompute.manifest import (
     MERGED,
     Manifest,
@@ -38,6 +35,7 @@ from precompute.manifest import (
     tokenizer_fingerprint,
     union,
 )
+from precompute.preflight import check_data_files, check_rows, mask_counts
 from precompute.tokenizer import load_tokenizer
 from precompute.writer import ShardWriter
 
@@ -159,9 +157,7 @@ def run_precompute(
     out, target = recipe.features_dir, recipe.target.path
     tokenizer = load_tokenizer(recipe)
     settings = recipe_settings(recipe, worker.world)
-    for path in recipe.data.train:
-        if not path.exists():
-            raise UserError(f"data.train: {path} not found")
+    check_data_files(recipe)
     fingerprint = {
         "target": target_fingerprint(target),
         "tokenizer": tokenizer_fingerprint(target),
@@ -184,10 +180,7 @@ def run_precompute(
         if not tp.is_leader and manifest_file.is_file():
             old = load_manifest(manifest_file)
     data = load_rows(recipe.data.train, recipe.data.format, recipe.data.skip_bad_rows, recipe.data.max_rows)
-    if not data.rows:
-        raise UserError("data.train: no usable rows")
-    if any(not isinstance(r.content, str) for r in data.rows):
-        require_template(tokenizer, str(target))
+    check_rows(data, tokenizer, str(target))
     all_ids = [r.row_id for r in data.rows]
     mine = rank_slice(all_ids, worker.rank, worker.world)
 
@@ -270,23 +263,6 @@ def run_precompute(
           f"{totals['bytes_per_token']} bytes/token, {time.perf_counter() - start:.0f}s"
           + (f"; {out / MERGED} covers all {worker.world} rank(s)" if merged else "; waiting for other ranks"))
     return manifest
-
-
-def mask_counts(data: LoadedData, rows: list[Row], encoded: list[tuple[list[int], list[int], bool]]
-                ) -> dict[str, list[int]]:
-    """``[tokens masked in, tokens]`` per data file (of this rank's rows); a file with none masked in is refused."""
-    bounds = list(itertools.accumulate(data.file_rows.values()))
-    files = list(data.file_rows)
-    counts: dict[str, list[int]] = {}
-    for row, (ids, mask, _) in zip(rows, encoded):
-        c = counts.setdefault(files[bisect.bisect_right(bounds, row.row_id)], [0, 0])
-        c[0] += sum(mask)
-        c[1] += len(ids)
-    for path, (masked, _) in counts.items():
-        if masked == 0:
-            raise UserError(f"{path}: the chat template gave an empty loss mask for every row of this file; nothing "
-                            "to train on (check its assistant turns, or set data.chat_template)")
-    return counts
 
 
 def heldout_ids_from(all_ids: list[int], recipe: Recipe) -> set[int]:

@@ -163,12 +163,18 @@ def test_full_run_goes_through_every_stage_then_skips_them(tmp_path):
 
 
 def test_samples_dry_run_against_their_real_model_configs(tmp_path):
-    """The 70B sample's TP=8 divides Llama-3.3-70B's 64 heads and 8 KV heads."""
+    """The 70B sample's TP=8 divides Llama-3.3-70B's 64 heads and 8 KV heads. (The dry run also renders the first
+    rows of the data with the tokenizer: here the tiny target's, over a small file in the sample's format.)"""
     config = {"model_type": "llama", "num_attention_heads": 64, "num_key_value_heads": 8}
     (tmp_path / "config.json").write_text(json.dumps(config))
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "w.safetensors"}}))
     (tmp_path / "w.safetensors").write_bytes(b"")
-    proc = run_cli(REPO / "recipes/llama3.3-70b.yaml", f"target.path={tmp_path}", "--dry-run")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(TINY_TARGET / name, tmp_path / name)
+    chat = {"messages": [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "Hi."}]}
+    (tmp_path / "data.jsonl").write_text(json.dumps(chat) + "\n")
+    proc = run_cli(REPO / "recipes/llama3.3-70b.yaml", f"target.path={tmp_path}",
+                   f"data.train={tmp_path / 'data.jsonl'}", "--dry-run")
     assert proc.returncode == 0, proc.stderr
     assert_one_line_user_error(
         run_cli(REPO / "recipes/llama3.3-70b.yaml", f"target.path={tmp_path}", "target.tp=16", "--dry-run"),

@@ -1,0 +1,71 @@
+"""``--dry-run`` runs precompute's template and loss-mask checks on the first rows, with the tokenizer only: a template
+the real run would refuse is refused the same way (one line, exit 2) before anything is loaded, written or queued."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import TINY_TARGET, assert_one_line_user_error, run_cli
+from precompute_helpers import make_recipe, run_precompute_cli, sgd_rows, write_jsonl
+
+TEMPLATES = Path(__file__).resolve().parents[2] / "shared" / "templates"
+# The assistant header depends on the answer's text, so no placeholder render lines up with the real one.
+UNREADABLE = ("{% for m in messages %}{% if m.role == 'assistant' %}<|assistant|>{{ m.content|length }}:{{ m.content }}"
+              "{% else %}<|user|>{{ m.content }}{% endif %}<|eot|>{% endfor %}")
+
+
+def _recipe(tmp_path: Path, rows: list[dict] | None = None, **data) -> Path:
+    file = write_jsonl(tmp_path / "d.jsonl", rows if rows is not None else sgd_rows(3))
+    return make_recipe(tmp_path, file, data=data)
+
+
+def test_a_template_the_run_cannot_read_is_refused_by_the_dry_run_as_by_the_run(tmp_path):
+    template = tmp_path / "unreadable.jinja"
+    template.write_text(UNREADABLE)
+    recipe = _recipe(tmp_path, chat_template=str(template))
+    dry = run_cli(recipe, "--dry-run")
+    assert_one_line_user_error(dry, "row 0", "data.chat_template")
+    real = run_precompute_cli(recipe)
+    assert real.returncode == 2 and real.stderr.strip().splitlines()[-1] == dry.stderr.strip()
+
+
+def test_a_target_without_a_chat_template_is_refused_by_the_dry_run(tmp_path):
+    target = tmp_path / "target"
+    shutil.copytree(TINY_TARGET, target)
+    (target / "chat_template.jinja").unlink()
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (target / "tokenizer_config.json").write_text(json.dumps(config))
+    recipe = _recipe(tmp_path)
+    assert_one_line_user_error(run_cli(recipe, "--dry-run", f"target.path={target}"), str(target),
+                               "no chat template", "data.chat_template")
+    # Text rows need no template, and nothing else stands in the way.
+    (tmp_path / "text").mkdir()
+    text = _recipe(tmp_path / "text", rows=[{"text": "hello there"}] * 3)
+    ok = run_cli(text, "--dry-run", f"target.path={target}")
+    assert ok.returncode == 0 and "plan:" in ok.stdout, ok.stderr
+
+
+def test_a_real_template_that_refuses_a_system_message_is_refused_by_the_dry_run(tmp_path):
+    path = TEMPLATES / "gemma-2-2b-it.jinja"
+    if not path.is_file():
+        pytest.skip(f"{path} is missing (the shared templates directory is not checked out)")
+    rows = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"},
+                          {"role": "assistant", "content": "Hello."}]}]
+    recipe = _recipe(tmp_path, rows=rows, chat_template=str(path))
+    assert_one_line_user_error(run_cli(recipe, "--dry-run"), "row 0", "System role not supported")
+
+
+def test_an_empty_loss_mask_on_the_first_rows_is_refused_by_the_dry_run(tmp_path):
+    template = tmp_path / "empty.jinja"
+    original = (TINY_TARGET / "chat_template.jinja").read_text()
+    template.write_text(original.replace("{% endgeneration %}", "").replace(
+        "{% generation %}", "{% generation %}{% endgeneration %}"))
+    recipe = _recipe(tmp_path, chat_template=str(template))
+    assert_one_line_user_error(run_cli(recipe, "--dry-run"), "empty loss mask for each of the first 3 rows")
+    # Checks of precompute only: a train-only dry run does not read the data.
+    assert run_cli("train", recipe, "--dry-run").returncode == 0
