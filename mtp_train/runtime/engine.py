@@ -14,6 +14,7 @@ scheduler or ``reserve()`` reserved).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -198,11 +199,13 @@ class Engine:
     # -- score -------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def score(self, sequences: list[list[int]], layers: list[int] = (-1,), topk: int = 0) -> ScoreOutput:
+    def score(self, sequences: list[list[int]], layers: list[int] = (-1,), topk: int = 0,
+              on_batch: Callable[[int], None] | None = None) -> ScoreOutput:
         """Teacher-forced forward over ``sequences``, packed into token-budget batches.
 
         ``layers`` are decoder layer ids (negative counts from the end). Row t of the outputs
         describes the prediction made at token t, i.e. the distribution of token t+1.
+        ``on_batch`` is called with the number of tokens of each batch once it is scored (progress).
         """
         n_layers = self.cfg.num_layers
         layer_ids = [lid % n_layers for lid in layers]
@@ -227,6 +230,8 @@ class Engine:
                 continue
             for acc, part in zip((hidden, lp, ids, lse, tail), out):
                 acc.append(part)
+            if on_batch is not None:
+                on_batch(sum(len(s) for s in sequences[start:stop]))
             start = stop
         lens = torch.tensor([len(s) for s in sequences], dtype=torch.int64)
         cu = torch.zeros(len(sequences) + 1, dtype=torch.int64)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -228,8 +229,10 @@ class SpeculativeDecoder:
 
     @torch.inference_mode()
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] = SamplingParams()
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] = SamplingParams(),
+        on_step: Callable[[list[Sequence]], None] | None = None,
     ) -> list[GenerationResult]:
+        """Decode every prompt to completion; ``on_step`` sees the requests' sequences after each step (progress)."""
         scheduler, seqs = self.engine.start(prompts, params, slots_per_token=2)
         page = self.engine.allocator.page_size
         for seq in seqs:  # room for one sequence alone, with both K/V and a step of drafts, guarantees progress
@@ -241,6 +244,8 @@ class SpeculativeDecoder:
                 self._plain_step(scheduler)
             else:
                 self._spec_step(scheduler)
+            if on_step is not None:
+                on_step(seqs)
         return [GenerationResult(seq.output, seq.stats) for seq in seqs]
 
     # -- prefill and mixed steps -------------------------------------------------------------------------
