@@ -30,10 +30,13 @@ from eval.prompts import EvalPrompt, load_prompt_set, render_prompt
 from eval.render import write_report
 from eval.report import FILES, Comparison, Report, SweepPoint, load_report
 from mtp_train.errors import UserError
+from mtp_train.progress import Progress
 from mtp_train.recipe import Recipe
 from mtp_train.runtime.engine import Engine, GenerationResult
 from mtp_train.runtime.sampling import SamplingParams
+from mtp_train.runtime.sequence import Sequence, Status
 from mtp_train.runtime.speculative import Drafter, SpeculativeDecoder
+from mtp_train.threads import set_threads, warn_if_oversubscribed
 from precompute.manifest import target_fingerprint, text_fingerprint
 
 
@@ -92,6 +95,7 @@ def run_eval(recipe: Recipe, baseline: Path | None = None) -> Path:
             return out
     # Everything the eval reads is loaded (and checked) here, before the first decoding step.
     start = time.perf_counter()
+    set_threads(recipe.threads)
     torch.manual_seed(recipe.seed)
     engine, drafter, head_validation = _load(recipe)
     mode = drafter.name  # draft_target, mtp or eagle
@@ -102,15 +106,17 @@ def run_eval(recipe: Recipe, baseline: Path | None = None) -> Path:
     if leader:
         print(f"eval: {mode}, {len(prompts)} prompts from {', '.join(e.prompt_sets)}, k={e.k}, T={e.temperatures}, "
               f"batch {e.batch_size}", file=sys.stderr)
+    warn_if_oversubscribed("eval", leader)
     # Warm-up: the first forwards of a process pay one-off costs (allocations, kernel selection) that would
     # otherwise be charged to the plain baseline alone and inflate every measured speedup.
     warm = token_ids[: e.batch_size]
-    _plain(engine, warm, [SamplingParams(max_new_tokens=4)] * len(warm))
+    _plain(engine, warm, [SamplingParams(max_new_tokens=4)] * len(warm), Progress("", 0, "", enabled=False))
     plain = {}
     for temperature in e.temperatures:
         params = [SamplingParams(temperature=temperature, max_new_tokens=e.max_new_tokens,
                                  seed=recipe.seed * 1_000_003 + i) for i in range(len(prompts))]
-        plain[temperature] = (params, *_plain(engine, token_ids, params))
+        progress = Progress(f"eval: plain T={temperature:g}", len(prompts), "prompts", enabled=leader)
+        plain[temperature] = (params, *_plain(engine, token_ids, params, progress))
     mismatches: list[str] = []  # first mismatch of each sweep point that was not lossless
     sweep = _sweep(engine, drafter, prompts, token_ids, plain, e.k, mismatches)
     comparisons = []
@@ -276,9 +282,12 @@ def _sweep(engine: Engine, drafter: Drafter, prompts, token_ids, plain: dict, ks
     for temperature, (params, reference, plain_s, plain_steps) in plain.items():
         for k in ks:
             decoder = SpeculativeDecoder(engine, drafter, k)
+            progress = Progress(f"eval: {drafter.name} k={k} T={temperature:g}", len(prompts), "prompts",
+                                enabled=engine.tp.is_leader, summary=False)  # the line below sums it up
             t0 = time.perf_counter()
-            results = decoder.generate(token_ids, params)
+            results = decoder.generate(token_ids, params, on_step=lambda seqs: _advance(progress, seqs))
             spec_s = time.perf_counter() - t0
+            progress.close()
             same = None
             if temperature == 0:
                 same, why = _compare(reference, results, prompts)
@@ -297,7 +306,7 @@ def _sweep(engine: Engine, drafter: Drafter, prompts, token_ids, plain: dict, ks
 
 
 
-def _plain(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]):
+def _plain(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], progress: Progress):
     """Plain decoding through the runtime: results, wall time and the number of batched steps."""
     with torch.inference_mode():
         t0 = time.perf_counter()
@@ -306,8 +315,16 @@ def _plain(engine: Engine, prompts: list[list[int]], params: list[SamplingParams
         while not scheduler.done:
             engine.step(scheduler)
             steps += 1
+            _advance(progress, seqs)
         elapsed = time.perf_counter() - t0
+    progress.close()
     return [GenerationResult(s.output, s.stats) for s in seqs], elapsed, steps
+
+
+def _advance(progress: Progress, seqs: list[Sequence]) -> None:
+    """Bring ``progress`` to the prompts finished and the tokens generated so far."""
+    finished = sum(s.status is Status.FINISHED for s in seqs)
+    progress.update(finished - progress.done, sum(len(s.output) for s in seqs) - progress.tokens)
 
 
 def _compare(plain: list[GenerationResult], spec: list[GenerationResult], prompts: list[EvalPrompt]):

@@ -21,12 +21,12 @@ import itertools
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from mtp_train.progress import Progress
 from mtp_train.recipe import SamplingConfig
 from mtp_train.runtime.engine import Engine
 from mtp_train.runtime.sampling import SamplingParams
@@ -85,21 +85,22 @@ def _prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
 
 def regenerate(rows: list[Row], tokenizer: Any, engine: Engine, sampling: SamplingConfig, path: Path | None = None,
                fingerprint: str = "", max_length: int | None = None, save_rows: int = 64, write: bool = True,
-               report_every: float = 30.0) -> list[Row]:
+               every: float | None = None) -> list[Row]:
     """``rows`` with every chat's assistant turns replaced by the target's answers.
 
     A conversation whose next turn's prompt already holds ``max_length`` tokens (precompute would truncate
     that turn away) ends after its last regenerated answer, so nothing is generated only to be cut off.
 
     With ``path``, answers are kept there and reused (module docstring); finished rows are appended
-    ``save_rows`` at a time. Progress (rows, tokens, tokens/s) is printed every ``report_every`` seconds.
+    ``save_rows`` at a time. Progress (rows, answers, tokens, tokens/s, ETA in rows) is shown on a terminal or
+    printed every ``every`` seconds (``mtp_train.progress``).
     Under tensor parallelism every rank reads ``path`` and generates alike, and only the leader writes and
     prints (``write``).
     """
     done = _read_done(path, fingerprint, write) if path is not None else {}
     chats = [Row(r.row_id, [dict(m) for m in r.content]) for r in rows
              if not isinstance(r.content, str) and r.row_id not in done]
-    total, tokens, start, shown = len(done) + len(chats), 0, time.perf_counter(), time.perf_counter()
+    total = len(done) + len(chats)
     if path is not None and done and write:
         print(f"regenerate: {path.name} already holds {len(done)} of {total} rows; continuing", file=sys.stderr)
     stop = set(engine.stop_ids)
@@ -122,6 +123,7 @@ def regenerate(rows: list[Row], tokenizer: Any, engine: Engine, sampling: Sampli
 
     finished: list[Row] = []
     saves = answers = 0
+    progress = Progress("regenerate", total, "rows", initial=len(done), enabled=write and bool(chats), every=every)
 
     def save() -> None:
         nonlocal finished, saves
@@ -141,6 +143,7 @@ def regenerate(rows: list[Row], tokenizer: Any, engine: Engine, sampling: Sampli
                 finished.append(r)
         while not scheduler.done:
             scheduled, _ = engine.step(scheduler)
+            tokens = 0
             for seq, _ in scheduled:
                 if seq.status is not Status.FINISHED:
                     continue
@@ -151,16 +154,10 @@ def regenerate(rows: list[Row], tokenizer: Any, engine: Engine, sampling: Sampli
                 # the next turn sees this answer, as in a real chat
                 if j + 1 == len(turns[r.row_id]) or not submit(r, j + 1):
                     finished.append(r)
+            rows_done = len(done) + len(finished)
             if len(finished) >= save_rows:
                 save()
-            now = time.perf_counter()
-            if write and now - shown >= report_every:
-                shown = now
-                print(f"regenerate: {len(done) + len(finished)}/{total} rows ({answers:,} answers), {tokens:,} tokens "
-                      f"generated, {tokens / (now - start):,.0f} tok/s", file=sys.stderr)
+            progress.update(rows_done - progress.done, tokens, note=f"{answers:,} answers")
         save()
-    if write and chats:
-        elapsed = time.perf_counter() - start
-        print(f"regenerate: {len(done)}/{total} rows ({answers:,} answers), {tokens:,} tokens generated in "
-              f"{elapsed:,.0f}s, {tokens / elapsed:,.0f} tok/s", file=sys.stderr)
+    progress.close()
     return [Row(r.row_id, done[r.row_id]) if r.row_id in done else r for r in rows]

@@ -2,8 +2,9 @@
 
 Each worker (rank r of W) owns a contiguous block of the rows. Its rows are cut, in order, into
 shards of about ``precompute.shard_tokens`` tokens; each shard is one ``Engine.score()`` call and
-one safetensors file. A rerun recomputes the same plan, checks that the shards already recorded
-in its manifest match it, and continues with the first missing shard.
+one safetensors file, and each token-budget batch of that call advances the progress. A rerun
+recomputes the same plan, checks that the shards already recorded in its manifest match it, and
+continues with the first missing shard.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import torch
 
 from mtp_train.errors import UserError
 from mtp_train.io import crash_point, group_by_tokens
+from mtp_train.progress import Progress
 from mtp_train.recipe import Recipe
+from mtp_train.threads import set_threads, warn_if_oversubscribed
 from precompute.dataset import Row, encode_many, heldout_ids, load_rows, rank_slice
 from precompute.manifest import (
     MERGED,
@@ -147,12 +150,12 @@ def _shard_tensors(scored, rows: list[tuple[list[int], list[int]]], topk: int) -
 def run_precompute(
     recipe: Recipe, rank: int | None = None, world: int | None = None, overwrite: bool = False
 ) -> Manifest:
-    from tqdm import tqdm
     from mtp_train.runtime.device import default_device, resolve_dtype
     from mtp_train.runtime.engine import Engine
     from mtp_train.models.tp import init_tensor_parallel
 
     start = time.perf_counter()
+    set_threads(recipe.threads)
     worker = resolve_worker(rank, world, recipe.target.tp)
     out, target = recipe.features_dir, recipe.target.path
     tokenizer = load_tokenizer(recipe)
@@ -196,6 +199,7 @@ def run_precompute(
         source = {k: fingerprint[k] for k in ("target", "tokenizer", "chat_template", "data")}
         regen_key = text_fingerprint(json.dumps({**source, "sampling": recipe.data.sampling.model_dump(),
                                                  "max_length": recipe.data.max_length}, sort_keys=True))
+        warn_if_oversubscribed("precompute", tp.is_leader)  # before the long regeneration
         rows = regenerate(rows, tokenizer, engine, recipe.data.sampling, regenerated_path(out, worker.rank),
                           regen_key, recipe.data.max_length, write=tp.is_leader)
     encoded = encode_many(tokenizer, [r.content for r in rows], recipe.data.max_length, [r.row_id for r in rows])
@@ -232,25 +236,25 @@ def run_precompute(
           f"{len(plan)} shards, {done} already done", file=sys.stderr)
     for path, (file_masked, file_total) in by_file.items():
         print(f"precompute: {path}: {file_masked / file_total:.1%} of its tokens masked in", file=sys.stderr)
+    if not recipe.data.regenerate:
+        warn_if_oversubscribed("precompute", tp.is_leader)
     writer = ShardWriter(record) if tp.is_leader else None
-    bar = tqdm(total=len(rows), initial=sum(len(p) for p in plan[:done]), unit="row",
-               disable=None if tp.is_leader else True, file=sys.stderr)
-    new_tokens, t0 = 0, time.perf_counter()
+    stored = sum(len(encoded[i][0]) for shard in plan[:done] for i in shard)  # tokens of the shards already written
+    progress = Progress("precompute", total, "tokens", initial=stored, enabled=tp.is_leader)
     try:
         for index in range(done, len(plan)):
             crash_point("forward", index)
             seqs = [(encoded[i][0], encoded[i][1]) for i in plan[index]]
-            scored = engine.score([ids for ids, _ in seqs], layers=recipe.precompute.layers, topk=recipe.precompute.topk)
+            progress.note = f"shard {index + 1}/{len(plan)}"
+            scored = engine.score([ids for ids, _ in seqs], layers=recipe.precompute.layers,
+                                  topk=recipe.precompute.topk, on_batch=lambda n: progress.update(n, tokens=n))
             if writer is not None:
                 meta = {"format_version": "1", "rank": str(worker.rank),
                         "row_ids": json.dumps([rows[i].row_id for i in plan[index]])}
                 writer.submit(index, out / shard_name(worker.rank, index), _shard_tensors(scored, seqs, manifest.topk),
                               meta)
-            new_tokens += sum(len(ids) for ids, _ in seqs)
-            bar.update(len(seqs))
-            bar.set_postfix_str(f"{new_tokens / (time.perf_counter() - t0):,.0f} tok/s")
     finally:
-        bar.close()
+        progress.close()
         if writer is not None:
             writer.close()
     if not tp.is_leader:

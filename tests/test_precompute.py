@@ -296,7 +296,7 @@ def test_regeneration_replaces_answers_with_the_targets_own(tmp_path, tokenizer)
     assert len((tmp_path / "run/features/regenerated.rank-00000.jsonl").read_text().splitlines()) == 1 + 3
     proc = run_precompute_cli(recipe)
     assert proc.returncode == 0, proc.stderr
-    assert "already holds 3 of 3 rows" in proc.stderr and "tokens generated" not in proc.stderr
+    assert "already holds 3 of 3 rows" in proc.stderr and "regenerate: 3/3 rows" not in proc.stderr, "nothing generated"
     manifest = json.loads((tmp_path / "run/features/manifest.json").read_text())
     assert manifest["regenerated"] is True and manifest["sampling"]["max_new_tokens"] == 24
     stored = shard_contents(tmp_path / "run" / "features")

@@ -8,9 +8,11 @@ import re
 
 import pytest
 
+from conftest import run_cli
 from mtp_train.errors import UserError
 from mtp_train.progress import EVERY_ENV, Progress, duration, interval
 from mtp_train.threads import default_threads, load_warning, local_processes, set_threads
+from precompute_helpers import make_recipe, sgd_rows, write_jsonl
 
 
 class Terminal(io.StringIO):
@@ -127,3 +129,30 @@ def test_oversubscription_is_one_warning_line():
     assert line is not None and len(line.splitlines()) == 1
     assert line.startswith("train: warning: ") and "3.2" in line and "2 core(s)" in line
 
+
+# ---- the stages, run as a user would, into a log --------------------------------------------------------
+
+def test_precompute_and_train_report_progress_into_a_log(tmp_path, monkeypatch):
+    """stderr is a pipe here, as under nohup or SLURM: lines, not a bar, per batch of the target and per step."""
+    monkeypatch.setenv(EVERY_ENV, "0")
+    data = write_jsonl(tmp_path / "sgd.jsonl", sgd_rows(24, split="train"))
+    recipe = make_recipe(tmp_path, data, data={"heldout_rows": 4},
+                         precompute={"layers": [-1], "topk": 8, "shard_tokens": 3000, "batch_tokens": 512},
+                         train={"batch_tokens": 1024, "max_steps": 4, "warmup_steps": 1, "val_every": 4,
+                                "save_every": 4, "wandb_mode": "disabled"})
+    proc = run_cli("precompute", recipe, "threads=1")
+    assert proc.returncode == 0, proc.stderr
+    total = re.search(r"24 rows, ([\d,]+) tokens", proc.stderr).group(1)
+    shards = len(list((tmp_path / "run" / "features").glob("shard-*.safetensors")))
+    lines = [x for x in proc.stderr.splitlines() if re.fullmatch(
+        rf"precompute: [\d,]+/{total} tokens \(\d+\.\d%\), shard \d/{shards}, [\d,]+ tok/s, ETA \d+s", x)]
+    assert len(lines) > shards, "a line per batch of the target, not per shard"
+    assert re.search(rf"^precompute: {total}/{total} tokens in \d+s, shard {shards}/{shards}, [\d,]+ tok/s$",
+                     proc.stderr, re.M), proc.stderr
+
+    proc = run_cli("train", recipe, "threads=1")
+    assert proc.returncode == 0, proc.stderr
+    for step in range(1, 5):
+        assert re.search(rf"^train: {step}/4 steps \({step / 4:.1%}\), loss [\d.]+, [\d,]+ tokens, [\d,]+ tok/s, "
+                         r"ETA \d+s$", proc.stderr, re.M), proc.stderr
+    assert re.search(r"^train: 4/4 steps in \d+s, loss [\d.]+, [\d,]+ tokens, [\d,]+ tok/s$", proc.stderr, re.M)

@@ -36,7 +36,9 @@ from mtp_train.heads import build_head, head_spec
 from mtp_train.heads.frozen import FrozenTarget
 from mtp_train.io import crash_point, write_atomic
 from mtp_train.models.checkpoint import read_layer
+from mtp_train.progress import Progress
 from mtp_train.recipe import Recipe
+from mtp_train.threads import set_threads, warn_if_oversubscribed
 from mtp_train.train.checkpoint import (begin_checkpoint, finish_checkpoint, head_is_complete, load_checkpoint,
                                         load_optimizer_shard, save_head, save_optimizer_shard)
 from mtp_train.train.data import Batch, load_batch, plan_batches
@@ -168,9 +170,8 @@ def _log(path: Path, record: dict[str, Any]) -> None:
 
 
 def run_train(recipe: Recipe) -> Path:
-    from tqdm import tqdm
-
     start = time.perf_counter()
+    set_threads(recipe.threads)
     out = head_dir(recipe)
     reader = FeatureReader(recipe.features_dir, target=recipe.target.path)
     frozen = FrozenTarget.load(recipe.target.path)
@@ -219,8 +220,8 @@ def run_train(recipe: Recipe) -> Path:
         print(f"train: {spec.kind} head, {sum(p.numel() for p in head.parameters()):,} parameters, "
               f"{len(reader.train)} train / {len(reader.heldout)} held-out sequences, {world} process(es), "
               f"{total} steps" + (f", resuming at step {step}" if step else ""), file=sys.stderr)
-    bar = tqdm(total=total, initial=step, unit="step", disable=None if accelerator.is_main_process else True,
-               file=sys.stderr)
+    warn_if_oversubscribed("train", accelerator.is_main_process)
+    progress = Progress("train", total, "steps", initial=step, enabled=accelerator.is_main_process)
     plans: dict[int, list[list[int]]] = {}
 
     def load(at_step: int, micro: int):
@@ -251,10 +252,9 @@ def run_train(recipe: Recipe) -> Path:
     # The next micro-batch loads on a background thread while the current one trains.
     prefetch = ThreadPoolExecutor(max_workers=1)
     pending = prefetch.submit(load(step, 0)) if step < total else None
-    tokens_seen, t0 = 0, time.perf_counter()
     while step < total:
         epoch, index = divmod(step, per_epoch)
-        step_loss, step_metrics = 0.0, [[0, 0] for _ in range(t.unroll)]
+        step_loss, step_metrics, step_tokens = 0.0, [[0, 0] for _ in range(t.unroll)], 0
         for micro in range(t.grad_accum):
             batch = pending.result()
             following = (step, micro + 1) if micro + 1 < t.grad_accum else (step + 1, 0)
@@ -265,7 +265,7 @@ def run_train(recipe: Recipe) -> Path:
                 loss, metrics = head_loss(head, frozen, batch, weights, forward=model)
                 accelerator.backward(loss if zero else loss / t.grad_accum)  # DeepSpeed divides by itself
             step_loss += float(loss.detach()) / t.grad_accum
-            tokens_seen += batch.num_tokens
+            step_tokens += batch.num_tokens
             for s, m in zip(step_metrics, metrics):
                 s[0] += m.correct
                 s[1] += m.count
@@ -283,8 +283,7 @@ def run_train(recipe: Recipe) -> Path:
             _log(log_path, record)
             if run is not None:
                 run.log({k: v for k, v in record.items() if not isinstance(v, list)}, step=step)
-            bar.set_postfix_str(f"loss {mean_loss:.3f}, {tokens_seen * world / (time.perf_counter() - t0):,.0f} tok/s")
-        bar.update(1)
+        progress.update(1, tokens=step_tokens * world, note=f"loss {mean_loss:.3f}")  # other ranks: about as many
         saved_now = step % t.save_every == 0 or step == total
         if saved_now:
             save_checkpoint(step, epoch, index)
@@ -293,7 +292,7 @@ def run_train(recipe: Recipe) -> Path:
             if not saved_now:
                 save_checkpoint(step, epoch, index)
             stop.restore()
-            bar.close()
+            progress.close()
             prefetch.shutdown(cancel_futures=True)
             if accelerator.is_main_process:
                 why = signal.Signals(stop.signal).name if stop.signal else "a signal on another rank"
@@ -303,7 +302,7 @@ def run_train(recipe: Recipe) -> Path:
                     run.finish()
             sys.exit(EXIT_STOPPED)
     stop.restore()
-    bar.close()
+    progress.close()
     prefetch.shutdown()
     # Every rank's weight digest, so that anyone can check the replicas stayed identical.
     digest = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in head.parameters())).digest()
