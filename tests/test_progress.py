@@ -134,6 +134,9 @@ def test_oversubscription_is_one_warning_line():
 
 def test_precompute_and_train_report_progress_into_a_log(tmp_path, monkeypatch):
     """stderr is a pipe here, as under nohup or SLURM: lines, not a bar, per batch of the target and per step."""
+    from mtp_train.train.data import plan_batches
+    from precompute.reader import FeatureReader
+
     monkeypatch.setenv(EVERY_ENV, "0")
     data = write_jsonl(tmp_path / "sgd.jsonl", sgd_rows(24, split="train"))
     recipe = make_recipe(tmp_path, data, data={"heldout_rows": 4},
@@ -152,7 +155,13 @@ def test_precompute_and_train_report_progress_into_a_log(tmp_path, monkeypatch):
 
     proc = run_cli("train", recipe, "threads=1")
     assert proc.returncode == 0, proc.stderr
+    reader = FeatureReader(tmp_path / "run" / "features")
+    per_epoch = len(plan_batches(reader.train, 1024, 0, 0))
+    tokens = sum(r.stop - r.start for r in reader.train)
+    assert (f"4 steps = {4 / per_epoch:.2f} epochs of {per_epoch} steps ({tokens:,} training tokens, at most 1,024 "
+            "per step)") in proc.stderr, proc.stderr
     for step in range(1, 5):
         assert re.search(rf"^train: {step}/4 steps \({step / 4:.1%}\), loss [\d.]+, [\d,]+ tokens, [\d,]+ tok/s, "
                          r"ETA \d+s$", proc.stderr, re.M), proc.stderr
     assert re.search(r"^train: 4/4 steps in \d+s, loss [\d.]+, [\d,]+ tokens, [\d,]+ tok/s$", proc.stderr, re.M)
+    assert "Setting accelerator to CPU" not in proc.stderr, "DeepSpeed is not the engine: no DeepSpeed warning"

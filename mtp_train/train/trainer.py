@@ -96,6 +96,10 @@ def _accelerator(recipe: Recipe):
             deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         else:
             kwargs["cpu"] = True  # (with cpu=True, accelerate would silently drop DeepSpeed)
+            # accelerate imports DeepSpeed whenever it is installed (unwrap_model checks for its engine), and the
+            # import warns "Setting accelerator to CPU ... unable to detect it" when it finds no GPU. Naming the CPU
+            # silences that, and only here: without CUDA, under DDP, where DeepSpeed does no work.
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # gloo, since NCCL needs CUDA
             kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
     accelerator = Accelerator(**kwargs)
@@ -217,9 +221,12 @@ def run_train(recipe: Recipe) -> Path:
     run = _wandb(recipe, accelerator.is_main_process)
     weights = loss_weights(recipe)
     if accelerator.is_main_process:
+        epoch_tokens = sum(r.stop - r.start for r in reader.train)
         print(f"train: {spec.kind} head, {sum(p.numel() for p in head.parameters()):,} parameters, "
               f"{len(reader.train)} train / {len(reader.heldout)} held-out sequences, {world} process(es), "
-              f"{total} steps" + (f", resuming at step {step}" if step else ""), file=sys.stderr)
+              f"{total} steps = {total / per_epoch:.2f} epochs of {per_epoch} steps ({epoch_tokens:,} training tokens, "
+              f"at most {world * t.grad_accum * t.batch_tokens:,} per step)"
+              + (f", resuming at step {step}" if step else ""), file=sys.stderr)
     warn_if_oversubscribed("train", accelerator.is_main_process)
     progress = Progress("train", total, "steps", initial=step, enabled=accelerator.is_main_process)
     plans: dict[int, list[list[int]]] = {}
