@@ -11,6 +11,9 @@ import base64
 import html
 import json
 import math
+import os
+import re
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +32,7 @@ from eval.report import (
 )
 from mtp_train.io import write_atomic, write_json_atomic
 
-__all__ = ["render_html", "render_markdown", "write_report"]
+__all__ = ["keep_previous", "render_html", "render_markdown", "write_report"]
 
 
 # One list of sections, two renderers (Markdown, HTML).
@@ -343,3 +346,29 @@ def write_report(report: Report, out_dir: Path, baseline: Path | None = None) ->
     write_atomic(paths["md"], md)
     write_atomic(paths["html"], page)
     return paths
+
+
+def keep_previous(out_dir: Path, created: str | None) -> Path:
+    """Move the report files in ``out_dir`` into ``out_dir/previous/CREATED/`` and return that directory.
+
+    ``created`` is the old report's creation time (``None`` when it could not be read: the file time is used).
+    The files go into a hidden directory first, which is then renamed, so a half-moved report never shows.
+    """
+    out_dir = Path(out_dir)
+    present = [out_dir / name for name in FILES.values() if (out_dir / name).is_file()]
+    if created is None:
+        from datetime import datetime, timezone
+
+        created = datetime.fromtimestamp(present[0].stat().st_mtime, timezone.utc).isoformat(timespec="seconds")
+    stamp = re.sub(r"[^0-9A-Za-z]", "", created.split("+")[0])  # 2026-12-01T08:00:00+00:00 -> 20261201T080000
+    root = out_dir / "previous"
+    root.mkdir(exist_ok=True)
+    dest, n = root / stamp, 1
+    while dest.exists():
+        n += 1
+        dest = root / f"{stamp}-{n}"
+    staging = Path(tempfile.mkdtemp(prefix=".keep-", dir=root))
+    for path in present:
+        os.replace(path, staging / path.name)
+    os.replace(staging, dest)
+    return dest

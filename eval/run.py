@@ -15,20 +15,19 @@ expected speedup tau / (1 + k c).
 from __future__ import annotations
 
 import json
-import platform
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from eval.diagnosis import diagnose
+from eval.assemble import assemble_report
 from eval.metrics import RequestTrace, sweep_point
 from eval.prompts import EvalPrompt, load_prompt_set, render_prompt
-from eval.render import write_report
-from eval.report import FILES, Comparison, Report, SweepPoint, load_report
+from eval.render import keep_previous, write_report
+from eval.report import FILES, Comparison, SweepPoint, load_report
+from eval.samples import pick_samples
 from mtp_train.errors import UserError
 from mtp_train.progress import Progress
 from mtp_train.recipe import Recipe
@@ -82,12 +81,12 @@ def run_eval(recipe: Recipe, baseline: Path | None = None) -> Path:
     baseline = _baseline(recipe, baseline)
     draft_id = _draft_id(recipe)
     key = _fingerprint(recipe, draft_id)
-    done = out / FILES["json"]
+    done, old = out / FILES["json"], None
     if done.is_file():
         try:
             old = load_report(done)
         except UserError:
-            old = None
+            pass
         if old is not None and old.settings.get("fingerprint") == key:
             print(f"eval: {out} is complete and matches the recipe; skipped", file=sys.stderr)
             if baseline is not None:
@@ -100,7 +99,7 @@ def run_eval(recipe: Recipe, baseline: Path | None = None) -> Path:
     engine, drafter, head_validation = _load(recipe)
     mode = drafter.name  # draft_target, mtp or eagle
     leader = engine.tp.is_leader  # under TP every rank decodes; the leader drafts, decides and writes
-    prompts, token_ids, skipped = _prompts(recipe, engine)
+    prompts, token_ids, skipped, tokenizer = _prompts(recipe, engine)
     e = recipe.eval
     others = {name: _load_other(recipe, engine, name) for name in e.compare}
     if leader:
@@ -118,18 +117,25 @@ def run_eval(recipe: Recipe, baseline: Path | None = None) -> Path:
         progress = Progress(f"eval: plain T={temperature:g}", len(prompts), "prompts", enabled=leader)
         plain[temperature] = (params, *_plain(engine, token_ids, params, progress))
     mismatches: list[str] = []  # first mismatch of each sweep point that was not lossless
-    sweep = _sweep(engine, drafter, prompts, token_ids, plain, e.k, mismatches)
+    replies: dict[tuple[int, float], list[list[int]]] = {}  # (k, T) -> the head's output tokens per prompt
+    sweep = _sweep(engine, drafter, prompts, token_ids, plain, e.k, mismatches, replies)
     comparisons = []
     for name in e.compare:
         other = _other_drafter(engine, name, others[name])
         points = _sweep(engine, other, prompts, token_ids, plain, e.k, mismatches)
         comparisons.append(Comparison(name=name, sweep=points))
-    lossless = not mismatches
+    lossless = (not mismatches) if 0 in plain else None  # n/a: nothing was compared at T = 0
     detail = "; ".join(mismatches[:3]) or None
     validation = head_validation() if head_validation else None
-    report = _report(recipe, mode, sweep, lossless, detail, validation, key, skipped, len(prompts))
+    report = assemble_report(recipe, mode, sweep, lossless, detail, validation, key, skipped, len(prompts))
     report.comparisons = comparisons
+    reference = [r.tokens for r in plain[report.temperature][1]]
+    report.samples = pick_samples(prompts, replies[report.k, report.temperature], reference, tokenizer,
+                                  compared=report.temperature == 0)
     if leader:
+        if done.is_file():  # another eval's report (other settings, or unreadable): keep it beside this one
+            kept = keep_previous(out, old.created if old is not None else None)
+            print(f"eval: the previous report (other settings) is kept in {kept}", file=sys.stderr)
         paths = write_report(report, out, baseline)
         print(f"eval: report -> {paths['html']} ({time.perf_counter() - start:.0f}s)", file=sys.stderr)
     if engine.tp.size > 1:
@@ -206,7 +212,8 @@ def _load(recipe: Recipe) -> tuple[Engine, Drafter, Any]:
     return engine, drafter, head_validation
 
 
-def _prompts(recipe: Recipe, engine: Engine) -> tuple[list[EvalPrompt], list[list[int]], int]:
+def _prompts(recipe: Recipe, engine: Engine) -> tuple[list[EvalPrompt], list[list[int]], int, Any]:
+    """The prompts that fit the target's positions, their token ids, how many did not fit, the tokenizer."""
     from precompute.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(recipe)
@@ -229,7 +236,7 @@ def _prompts(recipe: Recipe, engine: Engine) -> tuple[list[EvalPrompt], list[lis
     if not kept:
         raise UserError(f"eval.prompt_sets: no prompt fits the target's {engine.cfg.max_positions} positions with "
                         f"eval.max_new_tokens={e.max_new_tokens}")
-    return kept, ids, skipped
+    return kept, ids, skipped, tokenizer
 
 
 def _heldout(recipe: Recipe) -> dict[str, Any]:
@@ -275,9 +282,10 @@ def _other_drafter(engine: Engine, name: str, loaded) -> Drafter:
 # -- decoding ----------------------------------------------------------------------------------------------
 
 def _sweep(engine: Engine, drafter: Drafter, prompts, token_ids, plain: dict, ks: list[int],
-           mismatches: list[str]) -> list[SweepPoint]:
+           mismatches: list[str], replies: dict | None = None) -> list[SweepPoint]:
     """Speculative decoding at every k and each temperature of ``plain`` (its params, results, time, steps).
-    Each temperature-0 point that is not token-identical to plain decoding adds its first mismatch."""
+    Each temperature-0 point that is not token-identical to plain decoding adds its first mismatch; with
+    ``replies``, each point's output tokens are kept there under ``(k, T)``."""
     points = []
     for temperature, (params, reference, plain_s, plain_steps) in plain.items():
         for k in ks:
@@ -288,6 +296,8 @@ def _sweep(engine: Engine, drafter: Drafter, prompts, token_ids, plain: dict, ks
             results = decoder.generate(token_ids, params, on_step=lambda seqs: _advance(progress, seqs))
             spec_s = time.perf_counter() - t0
             progress.close()
+            if replies is not None:
+                replies[k, temperature] = [r.tokens for r in results]
             same = None
             if temperature == 0:
                 same, why = _compare(reference, results, prompts)
@@ -339,57 +349,3 @@ def _compare(plain: list[GenerationResult], spec: list[GenerationResult], prompt
 def _traces(prompts, token_ids, results) -> list[RequestTrace]:
     return [RequestTrace(p.prompt_id, p.category, len(ids), r.stats.accepted, r.stats.emitted, r.tokens)
             for p, ids, r in zip(prompts, token_ids, results)]
-
-
-# -- the report --------------------------------------------------------------------------------------------
-
-
-def _report(recipe: Recipe, mode: str, sweep: list[SweepPoint], lossless: bool, detail: str | None,
-            validation: dict | None, key: str, skipped: int, num_prompts: int) -> Report:
-    coolest = min(p.temperature for p in sweep)
-    head = max((p for p in sweep if p.temperature == coolest), key=lambda p: p.expected_speedup)
-    val_loss, val_acc, trainer_loss, trainer_acc, mismatch = [], [], None, None, False
-    tol = recipe.eval.val_tolerance
-    if validation:
-        ours, theirs = validation["runtime"], validation["trainer"]
-        val_loss = [x for x in ours["val_loss"] if x is not None]
-        val_acc = ours["val_top1"]
-        trainer_loss, trainer_acc = theirs.get("val_loss"), theirs.get("val_top1")
-        if trainer_loss and trainer_acc:
-            mismatch = any(abs(a - b) > tol * abs(b) for a, b in zip(val_loss, trainer_loss) if b is not None) or any(
-                abs(a - b) > tol for a, b in zip(val_acc, trainer_acc))
-    first = min((p for p in sweep if p.temperature == coolest), key=lambda p: p.k)
-    return Report(
-        diagnosis=diagnose(first, val_acc, mismatch), by_prompt_set=head.by_prompt_set,
-        tau=head.tau, alpha=head.alpha, alpha_unconditional=head.alpha_unconditional, k=head.k,
-        temperature=head.temperature, lossless=lossless, lossless_detail=detail,
-        draft_cost_ratio=head.draft_cost_ratio, expected_speedup=head.expected_speedup,
-        measured_speedup=head.measured_speedup, distinct2=head.distinct2, by_category=head.by_category,
-        by_length=head.by_length, val_loss=val_loss, val_acc=val_acc, trainer_val_loss=trainer_loss,
-        trainer_val_acc=trainer_acc, val_tolerance=tol, val_mismatch=mismatch, sweep=sweep, mode=mode,
-        settings={"fingerprint": key, "target": str(recipe.target.path), "dtype": recipe.target.dtype,
-                  "draft": str(recipe.eval.draft_model) if recipe.eval.draft_model else f"{mode} head",
-                  "eval": recipe.eval.model_dump(mode="json"), "seed": recipe.seed, "num_prompts": num_prompts,
-                  "prompts_skipped_too_long": skipped,
-                  "tau_convention": "tokens emitted per target verification step, bonus token included",
-                  "headline": "lowest temperature, highest expected speedup"},
-        versions=_versions(), device=_device(), created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    )
-
-
-def _versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {"python": platform.python_version()}
-    for name in ("mtp-train", "torch", "transformers", "safetensors"):
-        try:
-            out[name] = version(name)
-        except PackageNotFoundError:
-            out[name] = "not installed"
-    return out
-
-
-def _device() -> str:
-    if torch.cuda.is_available():
-        return f"cuda: {torch.cuda.get_device_name()}"
-    return f"cpu: {platform.machine()}, {torch.get_num_threads()} threads"

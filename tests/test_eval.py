@@ -103,6 +103,30 @@ def test_eval_without_a_trained_head_is_a_one_line_error(trained_run, tmp_path):
     assert "no trained head" in proc.stderr.strip().splitlines()[-1]
 
 
+def test_a_second_eval_with_other_settings_keeps_the_first(trained_run, tmp_path):
+    """Text samples at T = 0 are identical to plain decoding; a T = 1 only eval is lossless n/a; the first report
+    is kept beside the second, not replaced."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_run.parent / "run" / "features", run / "features")
+    shutil.copytree(trained_run.parent / "run" / "heads", run / "heads")
+    first = run_cli("eval", trained_run, f"output_dir={run}", "eval.k=[1]", timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    r1 = json.loads((run / "eval" / "report.json").read_text())
+    assert r1["lossless"] is True
+    assert [(s["prompt_set"], s["identical_to_plain"]) for s in r1["samples"]] == [("heldout", True)] * 2
+    assert all(s["reply"] and s["prompt"].startswith("[") for s in r1["samples"])
+    second = run_cli("eval", trained_run, f"output_dir={run}", "eval.k=[1]", "eval.temperatures=[1.0]", timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    r2 = json.loads((run / "eval" / "report.json").read_text())
+    assert r2["lossless"] is None and [p["lossless"] for p in r2["sweep"]] == [None]
+    assert [s["identical_to_plain"] for s in r2["samples"]] == [None, None]
+    assert "Lossless: n/a" in (run / "eval" / "report.md").read_text()
+    (kept,) = (run / "eval" / "previous").iterdir()
+    assert json.loads((kept / "report.json").read_text()) == r1
+    assert sorted(p.name for p in kept.iterdir()) == ["report.html", "report.json", "report.md"]
+    assert f"kept in {kept}" in second.stderr
+
+
 def test_eval_under_tensor_parallelism_equals_tp1(trained_run, tmp_path):
     """torchrun with target.tp=2 (gloo): the target is sharded, the head drafts on the leader, same report."""
     import os

@@ -1,0 +1,65 @@
+"""The eval's report assembled from its sweep, its validation and the context (versions, device)."""
+
+from __future__ import annotations
+
+import platform
+from datetime import datetime, timezone
+
+import torch
+
+from eval.diagnosis import diagnose
+from eval.report import Report, SweepPoint
+from mtp_train.recipe import Recipe
+
+
+def assemble_report(recipe: Recipe, mode: str, sweep: list[SweepPoint], lossless: bool | None, detail: str | None,
+                    validation: dict | None, key: str, skipped: int, num_prompts: int) -> Report:
+    """The report of the eval's sweep: the headline is the lowest-temperature point with the highest expected
+    speedup; the diagnosis reads the lowest-temperature point with the smallest k."""
+    coolest = min(p.temperature for p in sweep)
+    head = max((p for p in sweep if p.temperature == coolest), key=lambda p: p.expected_speedup)
+    val_loss, val_acc, trainer_loss, trainer_acc, mismatch = [], [], None, None, False
+    tol = recipe.eval.val_tolerance
+    if validation:
+        ours, theirs = validation["runtime"], validation["trainer"]
+        val_loss = [x for x in ours["val_loss"] if x is not None]
+        val_acc = ours["val_top1"]
+        trainer_loss, trainer_acc = theirs.get("val_loss"), theirs.get("val_top1")
+        if trainer_loss and trainer_acc:
+            mismatch = any(abs(a - b) > tol * abs(b) for a, b in zip(val_loss, trainer_loss) if b is not None) or any(
+                abs(a - b) > tol for a, b in zip(val_acc, trainer_acc))
+    first = min((p for p in sweep if p.temperature == coolest), key=lambda p: p.k)
+    return Report(
+        diagnosis=diagnose(first, val_acc, mismatch), by_prompt_set=head.by_prompt_set,
+        tau=head.tau, alpha=head.alpha, alpha_unconditional=head.alpha_unconditional, k=head.k,
+        temperature=head.temperature, lossless=lossless, lossless_detail=detail,
+        draft_cost_ratio=head.draft_cost_ratio, expected_speedup=head.expected_speedup,
+        measured_speedup=head.measured_speedup, distinct2=head.distinct2, by_category=head.by_category,
+        by_length=head.by_length, val_loss=val_loss, val_acc=val_acc, trainer_val_loss=trainer_loss,
+        trainer_val_acc=trainer_acc, val_tolerance=tol, val_mismatch=mismatch, sweep=sweep, mode=mode,
+        settings={"fingerprint": key, "target": str(recipe.target.path), "dtype": recipe.target.dtype,
+                  "draft": str(recipe.eval.draft_model) if recipe.eval.draft_model else f"{mode} head",
+                  "eval": recipe.eval.model_dump(mode="json"), "seed": recipe.seed, "num_prompts": num_prompts,
+                  "prompts_skipped_too_long": skipped,
+                  "tau_convention": "tokens emitted per target verification step, bonus token included",
+                  "headline": "lowest temperature, highest expected speedup"},
+        versions=_versions(), device=_device(), created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    )
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for name in ("mtp-train", "torch", "transformers", "safetensors"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def _device() -> str:
+    if torch.cuda.is_available():
+        return f"cuda: {torch.cuda.get_device_name()}"
+    return f"cpu: {platform.machine()}, {torch.get_num_threads()} threads"
