@@ -326,9 +326,22 @@ def merge_features(root: Path) -> int:
     return 0
 
 
+def preflight(recipe: Recipe) -> None:
+    """Precompute's template and loss-mask checks on the first rows, before anything is queued, where this node
+    sees the data and the target (a login node may not: then the precompute job runs them)."""
+    if all(p.exists() for p in recipe.data.train) and (recipe.target.path / "config.json").is_file():
+        from precompute.preflight import check_first_rows
+
+        check_first_rows(recipe)
+    else:
+        print("slurm: data.train or target.path is not visible on this node; the chat-template check runs in the "
+              "precompute job", file=sys.stderr)
+
+
 def run_slurm(recipe_path: Path, overrides: list[str], recipe: Recipe, opts: SlurmOptions, dry_run: bool,
               wait: bool) -> int:
-    """``mtp-train slurm``: render, then print (dry run) or write, submit, and optionally wait."""
+    """``mtp-train slurm``: check the data, render, then print (dry run) or write, submit, and optionally wait."""
+    preflight(recipe)
     scripts = render(recipe_path, overrides, recipe, opts)
     out = slurm_dir(recipe)
     paths = {job: out / f"{job}.sbatch" for job in JOBS}

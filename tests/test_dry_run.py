@@ -69,3 +69,14 @@ def test_an_empty_loss_mask_on_the_first_rows_is_refused_by_the_dry_run(tmp_path
     assert_one_line_user_error(run_cli(recipe, "--dry-run"), "empty loss mask for each of the first 3 rows")
     # Checks of precompute only: a train-only dry run does not read the data.
     assert run_cli("train", recipe, "--dry-run").returncode == 0
+
+
+def test_slurm_refuses_the_template_before_anything_is_queued(tmp_path):
+    """`mtp-train slurm` runs the same checks before rendering or submitting (sbatch need not exist)."""
+    template = tmp_path / "unreadable.jinja"
+    template.write_text(UNREADABLE)
+    recipe = _recipe(tmp_path, chat_template=str(template))
+    for extra in ((), ("--dry-run",)):
+        proc = run_cli("slurm", recipe, "--cpu", *extra)
+        assert_one_line_user_error(proc, "row 0", "data.chat_template")
+        assert not list(tmp_path.rglob("*.sbatch"))
