@@ -49,15 +49,28 @@ def set_threads(threads: int | None) -> int:
     return n
 
 
-def load_warning(stage: str, load: float | None = None, cores: int | None = None) -> str | None:
-    """One line when the 1-minute load average is above the cores available, else None."""
+def running_others() -> int | None:
+    """Threads runnable right now besides the one asking (``/proc/loadavg``'s ``running/total``), if known."""
+    try:
+        with open("/proc/loadavg") as f:
+            return max(0, int(f.read().split()[3].split("/")[0]) - 1)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def load_warning(stage: str, load: float | None = None, cores: int | None = None,
+                 others: int | None = None) -> str | None:
+    """One line when the 1-minute load average is above the cores available and other threads are running now,
+    else None. The second condition keeps a stage that follows another in the same run (whose work the average
+    still remembers for a minute) from warning about its own predecessor."""
     cores = cores if cores is not None else cores_available()
     if load is None:
         try:
             load = os.getloadavg()[0]
         except OSError:  # not available here
             return None
-    if load <= cores:
+        others = running_others()
+    if load <= cores or others == 0:
         return None
     return (f"{stage}: warning: the machine is oversubscribed (1-minute load average {load:.1f} on the {cores} "
             f"core(s) available); this stage will run slower than it would alone")

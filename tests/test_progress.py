@@ -128,6 +128,9 @@ def test_oversubscription_is_one_warning_line():
     line = load_warning("train", load=3.25, cores=2)
     assert line is not None and len(line.splitlines()) == 1
     assert line.startswith("train: warning: ") and "3.2" in line and "2 core(s)" in line
+    # The average remembers the stage before this one for a minute; with nothing else running now, no warning.
+    assert load_warning("train", load=3.25, cores=2, others=0) is None
+    assert load_warning("train", load=3.25, cores=2, others=2) is not None
 
 
 # ---- the stages, run as a user would, into a log --------------------------------------------------------
