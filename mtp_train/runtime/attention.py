@@ -26,20 +26,25 @@ class AttentionBackend(Protocol):
 class _Group:
     """Sequences with the same number of new tokens ``Q``, attended in one padded SDPA call.
 
-    ``rows [G*Q]`` are their new tokens' rows in the packed batch; ``kv_slots [G, L]`` the cache slots
+    ``rows`` are their new tokens' rows in the packed batch: a slice when the sequences are neighbours there
+    (a step of decodes alone), else a ``[G*Q]`` index; ``kv_slots [G, L]`` the cache slots
     of their keys (``L`` the group's longest); ``mask [G, 1, Q, L]`` lets query i of sequence g
     (absolute position ``kv_len - Q + i``) see keys at positions ``<= its own`` and, with a sliding
     window, ``> its own - window``.
     """
 
-    def __init__(self, meta: BatchMetadata, seqs: list[int], q_len: int, sliding_window: int | None) -> None:
+    def __init__(self, meta: BatchMetadata, seqs: list[int], q_len: int, sliding_window: int | None,
+                 bounds: list[int]) -> None:
         dev = meta.tokens.device
         index = torch.tensor(seqs, device=dev)
         kv_lens = meta.kv_lens.long()[index]
-        starts = meta.qo_indptr.long()[index]
         self.q_len = q_len
-        self.rows = (starts[:, None] + torch.arange(q_len, device=dev)[None, :]).view(-1)
-        self.contiguous = bool((self.rows == torch.arange(self.rows.numel(), device=dev) + self.rows[0]).all())
+        self.rows: torch.Tensor | slice
+        if seqs[-1] - seqs[0] == len(seqs) - 1:  # neighbours in the packed batch (seqs ascend)
+            self.rows = slice(bounds[seqs[0]], bounds[seqs[-1] + 1])
+        else:
+            starts = meta.qo_indptr.long()[index]
+            self.rows = (starts[:, None] + torch.arange(q_len, device=dev)[None, :]).view(-1)
         key_pos = torch.arange(int(kv_lens.max()), device=dev)
         first_page = meta.page_indptr.long()[index]
         page_slot = (first_page[:, None] + key_pos[None, :] // meta.page_size).clamp(
@@ -79,7 +84,7 @@ class TorchStep:
                 self.fresh.append((bounds[b], bounds[b + 1]))
             else:
                 by_len.setdefault(q_len, []).append(b)
-        self.groups = [_Group(meta, seqs, q_len, sliding_window) for q_len, seqs in by_len.items()]
+        self.groups = [_Group(meta, seqs, q_len, sliding_window, bounds) for q_len, seqs in by_len.items()]
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
@@ -98,12 +103,7 @@ class TorchStep:
             )
             parts.append((slice(s, e), out[0].transpose(0, 1)))
         for g in self.groups:
-            if g.contiguous:
-                start = int(g.rows[0])
-                where: torch.Tensor | slice = slice(start, start + g.rows.numel())
-                q_g = q[where]
-            else:
-                where, q_g = g.rows, q.index_select(0, g.rows)
+            q_g = q[g.rows] if isinstance(g.rows, slice) else q.index_select(0, g.rows)
             # index_select on the flat slots is several times faster than advanced indexing here.
             shape = (*g.kv_slots.shape, *k_flat.shape[1:])
             k_g = k_flat.index_select(0, g.kv_slots.view(-1)).view(shape)  # [G, L, Hkv, D]
@@ -112,7 +112,7 @@ class TorchStep:
                 q_g.view(-1, g.q_len, *q.shape[1:]).transpose(1, 2), k_g.transpose(1, 2).to(q.dtype),
                 v_g.transpose(1, 2).to(q.dtype), attn_mask=g.mask.to(q.dtype), enable_gqa=gqa,
             )
-            parts.append((where, out.transpose(1, 2).reshape(-1, *q.shape[1:])))
+            parts.append((g.rows, out.transpose(1, 2).reshape(-1, *q.shape[1:])))
         if len(parts) == 1 and parts[0][1].shape[0] == self.num_tokens:
             return parts[0][1]
         out = q.new_empty(q.shape)
