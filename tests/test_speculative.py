@@ -44,6 +44,7 @@ def decode(prompts, make_drafter, k: int, max_seqs: int, num_pages: int | None =
     decoder = SpeculativeDecoder(engine, make_drafter(engine), k)
     out = decoder.generate(prompts, params)
     assert engine.allocator.num_free == engine.allocator.num_pages, "every page is returned"
+    assert decoder.greedy_violations == 0, "every emitted greedy token is the verify forward's own argmax"
     return out
 
 

@@ -37,6 +37,7 @@ from mtp_train.models.transformer import Transformer
 from mtp_train.runtime.acceptance import accept_draft
 from mtp_train.runtime.attention import select_backend
 from mtp_train.runtime.batch import build_batch
+from mtp_train.runtime.device import synchronize
 from mtp_train.runtime.engine import Engine, GenerationResult
 from mtp_train.runtime.kv_cache import KVPool
 from mtp_train.runtime.sampling import SamplingParams, target_distribution
@@ -219,13 +220,20 @@ class SpecTimings:
 
 
 class SpeculativeDecoder:
-    """``generate()`` with a draft: lossless by construction (the pure acceptance rule)."""
+    """``generate()`` with a draft: lossless by construction (the pure acceptance rule).
+
+    ``greedy_violations`` counts, over greedy requests, emitted tokens that differ from the target's own argmax
+    in the verification forward that decided them: losslessness as the acceptance rule guarantees it, checked
+    where it holds exactly whatever the dtype (plain decoding in bf16 may still differ at near-ties, since a
+    verify forward batches other tokens than a decode step).
+    """
 
     def __init__(self, engine: Engine, drafter: Drafter, k: int) -> None:
         if k < 1:
             raise ValueError("k must be at least 1")
         self.engine, self.drafter, self.k = engine, drafter, k
         self.timings = SpecTimings()
+        self.greedy_violations = 0
 
     @torch.inference_mode()
     def generate(
@@ -262,6 +270,8 @@ class SpeculativeDecoder:
 
     def _sync(self, scheduler: Scheduler, feeds: list[Feed], timed: bool = True) -> None:
         """Truncate each draft to its feed's start, reserve its pages (preempting when short), forward."""
+        if timed:
+            synchronize(self.engine.device)
         t0 = time.perf_counter()
         alloc = self.engine.allocator
         for f in feeds:
@@ -273,6 +283,7 @@ class SpeculativeDecoder:
                 alloc.reserve(f.seq.draft_pages, len(f.tokens))
         self.drafter.forward([f for f in feeds if f.seq.status is Status.RUNNING])
         if timed:
+            synchronize(self.engine.device)
             self.timings.draft_s += time.perf_counter() - t0
             self.timings.draft_forwards += 1
 
@@ -299,6 +310,7 @@ class SpeculativeDecoder:
 
     def _propose(self, batch: list[tuple[Sequence, int]]) -> tuple[list[list[int]], list[torch.Tensor]]:
         """Leader: each sequence's draft tokens and the distributions ``[k, V]`` they were drawn from."""
+        synchronize(self.engine.device)
         t0 = time.perf_counter()
         drafter = self.drafter
         tokens: list[list[int]] = [[] for _ in batch]
@@ -309,7 +321,8 @@ class SpeculativeDecoder:
                 if j >= k:
                     continue
                 q = target_distribution(drafter.carried[seq.request_id][0][None], seq.params)[0]
-                token = int(q.argmax()) if seq.params.greedy else int(torch.multinomial(q, 1, generator=seq.generator))
+                # (the request's generator lives on the CPU, as in plain sampling: draw there)
+                token = int(q.argmax()) if seq.params.greedy else int(torch.multinomial(q.cpu(), 1, generator=seq.generator))
                 tokens[b].append(token)
                 probs[b].append(q)
                 if j + 1 < k:  # the chain's next forward, at the position after this draft's last
@@ -318,6 +331,7 @@ class SpeculativeDecoder:
                     feeds.append(feed)
             drafter.forward(feeds)
             self.timings.draft_forwards += bool(feeds)
+        synchronize(self.engine.device)
         self.timings.draft_s += time.perf_counter() - t0
         return tokens, [torch.stack(p) if p else torch.zeros(0) for p in probs]
 
@@ -343,6 +357,9 @@ class SpeculativeDecoder:
                 p = target_distribution(rows, seq.params)
                 a, token = accept_draft(torch.tensor(drafts[b], dtype=torch.int64), qs[b], p, seq.generator)
                 decisions[b] = torch.tensor([a, token])
+                if seq.params.greedy:
+                    own = rows[: a + 1].argmax(-1).tolist()
+                    self.greedy_violations += sum(x != y for x, y in zip(drafts[b][:a] + [token], own))
         decisions = tp.broadcast(decisions.to(engine.device)).cpu().tolist()
         feeds = []
         for b, ((seq, _), (a, token)) in enumerate(zip(batch, decisions)):
