@@ -123,3 +123,14 @@ def test_sampling_distribution_equals_the_target(random_draft):
         # p = 0.001 critical value, Wilson-Hilferty approximation
         critical = dof * (1 - 2 / (9 * dof) + 3.09 * (2 / (9 * dof)) ** 0.5) ** 3
         assert chi2 < critical, (position, chi2, critical, dof)
+
+
+def test_a_broken_acceptance_rule_is_counted_as_greedy_violations(prompts, monkeypatch):
+    """The check behind ``greedy_violations`` can fail: a rule that accepts every draft is caught."""
+    import mtp_train.runtime.speculative as spec
+
+    monkeypatch.setattr(spec, "accept_draft", lambda tokens, q, p, gen: (tokens.numel(), int(p[-1].argmax())))
+    engine = Engine.from_pretrained(TINY_TARGET, page_size=16, max_seqs=4)
+    decoder = SpeculativeDecoder(engine, HeadDrafter(engine, _random_head(engine)), 3)
+    decoder.generate(prompts[:4], GREEDY)
+    assert decoder.greedy_violations > 0
