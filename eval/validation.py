@@ -72,6 +72,14 @@ def paged_forward(drafter: HeadDrafter):
 
 @torch.inference_mode()
 def runtime_validation(engine: Engine, drafter: HeadDrafter, reader: FeatureReader, weights: LossWeights) -> dict:
-    """``{"val_loss": [...], "val_top1": [...], ...}`` per unrolled step, by the runtime's implementations."""
+    """``{"val_loss": [...], "val_top1": [...], ...}`` per unrolled step, by the runtime's implementations.
+
+    Under tensor parallelism every rank scores (a collective forward) and only the leader, which holds the
+    head, computes the metrics; the other ranks return ``{}``.
+    """
+    if not drafter.leader:
+        for _ in runtime_batches(engine, reader):
+            pass
+        return {}
     return validate(drafter.head, runtime_frozen(engine), runtime_batches(engine, reader), weights,
                     forward=paged_forward(drafter))

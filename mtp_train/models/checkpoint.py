@@ -94,11 +94,17 @@ def load_transformer(
     device: torch.device | str = "cpu",
     tp: TensorParallel = TensorParallel(),
 ) -> Transformer:
-    """Build the runtime model for an HF checkpoint directory and load its weights (this rank's shard)."""
+    """Build the runtime model for an HF checkpoint directory and load its weights (this rank's shard).
+
+    On the ``meta`` device no weight is read: the model has its shapes and config only (a rank that does not
+    run it, e.g. a draft under tensor parallelism off the leader).
+    """
     ckpt = find_checkpoint(root)
     cfg = ModelConfig.from_hf(ckpt.config, str(root / "config.json"))
     with torch.device("meta"):
         model = Transformer(cfg, tp)
+    if torch.device(device).type == "meta":
+        return model.eval().requires_grad_(False)
     where = _weight_locations(ckpt)
     handles: dict[Path, object] = {}
     state: dict[str, torch.Tensor] = {}

@@ -42,7 +42,13 @@ class TensorParallel:
 
 
 def init_tensor_parallel(size: int, device: torch.device) -> TensorParallel:
-    """Join the process group that ``torchrun`` set up (gloo on CPU, NCCL on CUDA), or run alone."""
+    """Join the process group that ``torchrun`` set up (gloo on CPU, NCCL on CUDA), or run alone.
+
+    On CUDA the rank's own GPU (``device``, from ``LOCAL_RANK``) becomes the current device first, so that NCCL
+    and every ``cuda`` tensor of this rank land there rather than on GPU 0.
+    """
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if size == 1:
         return TensorParallel()
     if not dist.is_initialized():

@@ -8,6 +8,8 @@ and is imported only when selected.
 
 from __future__ import annotations
 
+import sys
+
 from typing import Protocol
 
 import torch
@@ -134,12 +136,28 @@ class TorchAttention:
         return TorchStep(meta, self.sliding_window)
 
 
+def _flashinfer_installed() -> bool:
+    import importlib.util
+
+    if importlib.util.find_spec("flashinfer") is not None:
+        return True
+    global _warned
+    if not _warned:
+        _warned = True
+        print("runtime: flashinfer is not installed, so attention on CUDA uses the torch backend "
+              "(pip install -e '.[gpu]' for flashinfer)", file=sys.stderr)
+    return False
+
+
+_warned = False
+
+
 def select_backend(
     name: str, device: torch.device, sliding_window: int | None, dtype: torch.dtype = torch.float32
 ) -> AttentionBackend:
-    """``auto`` picks flashinfer on CUDA and torch elsewhere."""
+    """``auto`` picks flashinfer on CUDA when it is installed (the ``gpu`` extra), and torch otherwise."""
     if name == "auto":
-        name = "flashinfer" if device.type == "cuda" else "torch"
+        name = "flashinfer" if device.type == "cuda" and _flashinfer_installed() else "torch"
     if name == "torch":
         return TorchAttention(sliding_window)
     if name == "flashinfer":

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 
 def default_device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    """This process's GPU (``LOCAL_RANK`` under torchrun or srun, else 0) when CUDA is there, else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

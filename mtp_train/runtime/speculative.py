@@ -56,19 +56,23 @@ class Feed:
 
 
 class Drafter:
-    """A draft with its own K/V pool, whose pages come from the engine's allocator (``seq.draft_pages``)."""
+    """A draft with its own K/V pool, whose pages come from the engine's allocator (``seq.draft_pages``).
+
+    Under tensor parallelism only the leader rank holds the draft's weights on the GPU and its K/V pool
+    (``kv`` is None elsewhere); every rank keeps the same page bookkeeping.
+    """
 
     name = ""  # what reports call it: "draft_target", "mtp", "eagle" or "bigram"
 
     def __init__(self, engine: Engine, num_layers: int, dtype: torch.dtype, sliding_window: int | None) -> None:
         self.engine = engine
         self.allocator = engine.allocator
+        self.leader = engine.tp.rank == 0
         cfg = dataclasses.replace(self.kv_config(), num_layers=num_layers)
-        self.kv = KVPool(cfg, engine.allocator, dtype, engine.device)
+        self.kv = KVPool(cfg, engine.allocator, dtype, engine.device) if self.leader else None
         self.backend = select_backend("auto", engine.device, sliding_window, dtype)
         self.heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.carried: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # request id -> (logits [V], hidden [H])
-        self.leader = engine.tp.rank == 0
 
     def kv_config(self):
         raise NotImplementedError
@@ -148,7 +152,8 @@ class HeadDrafter(Drafter):
 
     def __init__(self, engine: Engine, head: DraftHead) -> None:
         self.name = head.spec.kind  # "mtp" or "eagle"
-        self.head = head.to(engine.device, engine.model.output.weight.dtype).eval()
+        on_leader = engine.tp.rank == 0
+        self.head = (head.to(engine.device, engine.model.output.weight.dtype) if on_leader else head).eval()
         self.target = engine.model
         super().__init__(engine, len(head.layers), engine.model.output.weight.dtype, None)
 

@@ -34,6 +34,14 @@ class Batch:
     def num_tokens(self) -> int:
         return int(self.tokens.numel())
 
+    def to(self, device: torch.device) -> Batch:
+        """The same batch with its tensors on ``device`` (``cu_seqlens`` stays a list)."""
+        if self.tokens.device == device:
+            return self
+        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        return Batch(move(self.tokens), move(self.hidden), move(self.loss_mask), move(self.topk_logprobs),
+                     move(self.topk_ids), move(self.tail_logprob), self.cu_seqlens)
+
 
 # Shards per shuffle window. Each epoch visits the shards in a seeded order, W at a time; a window's sequences are
 # shuffled among themselves and cut into batches, so a batch draws on at most W shard files and the loader can read

@@ -140,7 +140,7 @@ def validate(head, frozen, batches: Iterable[Batch], weights: LossWeights, forwa
     head.eval()
     sums = [[0.0, 0, 0] for _ in range(weights.unroll)]  # loss*count, correct, count
     for batch in batches:
-        _, metrics = head_loss(head, frozen, batch, weights, forward=forward)
+        _, metrics = head_loss(head, frozen, batch.to(frozen.embed_weight.device), weights, forward=forward)
         for s, m in zip(sums, metrics):
             s[0] += float(m.loss) * m.count
             s[1] += m.correct
@@ -198,7 +198,8 @@ def run_train(recipe: Recipe) -> Path:
     t = recipe.train
     optimizer = torch.optim.AdamW(head.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
     accelerator = _accelerator(recipe)
-    world, rank = accelerator.num_processes, accelerator.process_index
+    world, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
+    frozen = frozen.to(device)  # the head goes there in accelerator.prepare; the frozen parts and batches here
     per_epoch = len(plan_batches(reader.train, t.batch_tokens, recipe.seed, 0)) // (world * t.grad_accum)
     if per_epoch == 0:
         raise UserError(f"{recipe.features_dir}: too few training sequences for {world} process(es) x "
@@ -263,7 +264,7 @@ def run_train(recipe: Recipe) -> Path:
         epoch, index = divmod(step, per_epoch)
         step_loss, step_metrics, step_tokens = 0.0, [[0, 0] for _ in range(t.unroll)], 0
         for micro in range(t.grad_accum):
-            batch = pending.result()
+            batch = pending.result().to(device)
             following = (step, micro + 1) if micro + 1 < t.grad_accum else (step + 1, 0)
             pending = prefetch.submit(load(*following)) if following[0] < total else None
             sync = micro == t.grad_accum - 1
@@ -281,7 +282,7 @@ def run_train(recipe: Recipe) -> Path:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
-        mean_loss = float(accelerator.reduce(torch.tensor(step_loss), reduction="mean"))
+        mean_loss = float(accelerator.reduce(torch.tensor(step_loss, device=device), reduction="mean"))
         record: dict[str, Any] = {"step": step, "loss": round(mean_loss, 6), "lr": scheduler.get_last_lr()[0],
                                   "top1": [round(c / n, 4) if n else None for c, n in step_metrics]}
         if step % t.val_every == 0 or step == total:
@@ -313,7 +314,7 @@ def run_train(recipe: Recipe) -> Path:
     prefetch.shutdown()
     # Every rank's weight digest, so that anyone can check the replicas stayed identical.
     digest = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in head.parameters())).digest()
-    digests = accelerator.gather(torch.tensor(list(digest), dtype=torch.int64, device=accelerator.device))
+    digests = accelerator.gather(torch.tensor(list(digest), dtype=torch.int64, device=device))
     rank_digests = [bytes(d.tolist()).hex() for d in digests.view(world, -1).cpu()]
     if accelerator.is_main_process:
         final = validate(accelerator.unwrap_model(model), frozen, heldout_batches(reader, t.batch_tokens), weights)
