@@ -187,10 +187,8 @@ def run_precompute(
     all_ids = [r.row_id for r in data.rows]
     mine = rank_slice(all_ids, worker.rank, worker.world)
 
-    engine = Engine.from_pretrained(
-        target, dtype=resolve_dtype(recipe.target.dtype, device), device=device, tp=tp,
-        backend=recipe.target.attention_backend, max_batch_tokens=recipe.precompute.batch_tokens,
-    )
+    engine = Engine.for_target(recipe.target, resolve_dtype(recipe.target.dtype, device), device, tp,
+                               max_batch_tokens=recipe.precompute.batch_tokens)
     by_id = {r.row_id: r for r in data.rows}
     rows: list[Row] = [by_id[i] for i in mine]
     if recipe.data.regenerate:

@@ -17,7 +17,7 @@ from mtp_train.runtime.speculative import DraftModelDrafter, HeadDrafter, Specul
 from mtp_train.train.checkpoint import load_head
 
 GREEDY = SamplingParams(max_new_tokens=12, stop_token_ids=())
-PRESSURE_PAGES = 40  # 640 slots for 8 sequences of up to ~150 tokens, K/V for target and draft: preemptions
+PRESSURE_PAGES = 40  # 640 target slots (and as many draft slots) for 8 sequences of up to ~150 tokens: preemptions
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +44,8 @@ def decode(prompts, make_drafter, k: int, max_seqs: int, num_pages: int | None =
     decoder = SpeculativeDecoder(engine, make_drafter(engine), k)
     out = decoder.generate(prompts, params)
     assert engine.allocator.num_free == engine.allocator.num_pages, "every page is returned"
+    draft_pages = decoder.drafter.allocator
+    assert draft_pages.num_free == draft_pages.num_pages, "every draft page is returned"
     assert decoder.greedy_violations == 0, "every emitted greedy token is the verify forward's own argmax"
     return out
 

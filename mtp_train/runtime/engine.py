@@ -23,6 +23,7 @@ import torch
 from mtp_train.errors import UserError
 from mtp_train.models.checkpoint import load_transformer
 from mtp_train.models.tp import TensorParallel
+from mtp_train.recipe import TargetConfig
 from mtp_train.models.transformer import Transformer
 from mtp_train.runtime.attention import select_backend
 from mtp_train.runtime.batch import BatchMetadata, build_batch
@@ -32,6 +33,24 @@ from mtp_train.runtime.scheduler import Scheduler
 from mtp_train.runtime.sequence import RequestStats, Sequence, Status
 
 LOGITS_CHUNK = 2048  # tokens per lm_head call in score(), so [chunk, vocab] stays small
+CPU_KV_BYTES = 512 * 2**20  # the KV budget on CPU when the recipe sets none
+
+
+def kv_budget(target: TargetConfig, device: torch.device) -> int:
+    """Bytes for the target's KV cache on this rank: ``target.kv_cache_gb`` when set; else on CUDA what
+    ``target.gpu_memory_fraction`` of the GPU leaves beside what is in use now (call it once the weights are
+    loaded); else ``CPU_KV_BYTES``."""
+    if target.kv_cache_gb is not None:
+        return int(target.kv_cache_gb * 2**30)
+    if device.type != "cuda":
+        return CPU_KV_BYTES
+    free, total = torch.cuda.mem_get_info(device)
+    budget = int(target.gpu_memory_fraction * total) - (total - free)
+    if budget <= 0:
+        raise UserError(f"target.gpu_memory_fraction: {target.gpu_memory_fraction} of {total / 2**30:.1f} GiB leaves no "
+                        f"room for the KV cache beside the {(total - free) / 2**30:.1f} GiB in use after loading the "
+                        f"weights; raise it, set target.kv_cache_gb, or use more tensor-parallel ranks (target.tp)")
+    return budget
 
 
 @dataclass
@@ -79,7 +98,7 @@ class Engine:
         *,
         page_size: int = 16,
         num_pages: int | None = None,
-        kv_bytes: int = 512 * 2**20,
+        kv_bytes: int = CPU_KV_BYTES,
         max_batch_tokens: int = 8192,
         max_seqs: int = 256,
         backend: str = "auto",
@@ -111,6 +130,16 @@ class Engine:
         root = Path(root)
         model = load_transformer(root, dtype=dtype, device=device, tp=tp)
         return cls(model, stop_ids=default_stop_ids(root), **kwargs)
+
+    @classmethod
+    def for_target(cls, target: TargetConfig, dtype: torch.dtype, device: torch.device, tp: TensorParallel,
+                   **kwargs) -> Engine:
+        """The recipe's target on ``device``: its attention backend, and a KV cache sized by ``kv_budget`` once
+        the weights are loaded."""
+        root = Path(target.path)
+        model = load_transformer(root, dtype=dtype, device=device, tp=tp)
+        return cls(model, stop_ids=default_stop_ids(root), backend=target.attention_backend,
+                   kv_bytes=kv_budget(target, torch.device(device)), **kwargs)
 
     # -- one forward -------------------------------------------------------------------------------------
 
@@ -147,11 +176,12 @@ class Engine:
     # -- generate ----------------------------------------------------------------------------------------
 
     def start(
-        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], slots_per_token: int = 1
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+        draft_allocator: PageAllocator | None = None,
     ) -> tuple[Scheduler, list[Sequence]]:
-        """Queue the requests; ``slots_per_token`` > 1 reserves KV room for a draft as well."""
+        """Queue the requests; ``draft_allocator`` holds a speculative draft's pages, freed with the target's."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        scheduler = Scheduler(self.allocator, self.max_batch_tokens, self.max_seqs, slots_per_token)
+        scheduler = Scheduler(self.allocator, self.max_batch_tokens, self.max_seqs, draft_allocator)
         return scheduler, [self.submit(scheduler, i, prompt, p) for i, (prompt, p) in
                            enumerate(zip(prompts, plist, strict=True))]
 

@@ -1,8 +1,10 @@
-"""Paged KV cache: one page allocator shared by every model of an engine, and a page pool per model.
+"""Paged KV cache: a page allocator and a page pool per model.
 
-Every pool is indexed by the same page ids. A speculative draft keeps its own page table per
-sequence (``Sequence.draft_pages``) drawn from the same allocator as the target's, so target and draft
-compete for one budget, and preempting or retiring a sequence releases both.
+The target's pool and allocator belong to the engine. A speculative draft has a pool of its own with an
+allocator of its own holding as many pages as the target's (``Sequence.draft_pages``): the draft's pages are
+as small as its K/V (a one-layer head beside a 30-layer target: 1/30 of a target page), so speculation takes
+memory in proportion to the draft's size and leaves the target its whole capacity. Preempting or retiring a
+sequence releases both.
 """
 
 from __future__ import annotations

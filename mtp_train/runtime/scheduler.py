@@ -18,16 +18,17 @@ from mtp_train.runtime.sequence import Sequence, Status
 
 
 class Scheduler:
-    def __init__(self, allocator: PageAllocator, max_batch_tokens: int, max_seqs: int, slots_per_token: int = 1) -> None:
+    def __init__(self, allocator: PageAllocator, max_batch_tokens: int, max_seqs: int,
+                 draft_allocator: PageAllocator | None = None) -> None:
         self.allocator = allocator
-        self.slots_per_token = slots_per_token  # 2 when a draft keeps its own K/V beside the target's
+        self.draft_allocator = draft_allocator or allocator  # a speculative draft's own pages (seq.draft_pages)
         self.max_batch_tokens = max_batch_tokens
         self.max_seqs = max_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
-        worst = (len(seq.tokens) + seq.params.max_new_tokens) * self.slots_per_token
+        worst = len(seq.tokens) + seq.params.max_new_tokens
         capacity = self.allocator.num_pages * self.allocator.page_size
         if worst > capacity:
             raise UserError(
@@ -43,7 +44,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         """Free the sequence's pages (target and draft) and queue it, first, to be prefilled again."""
         self.allocator.free(seq.pages)
-        self.allocator.free(seq.draft_pages)
+        self.draft_allocator.free(seq.draft_pages)
         self.running.remove(seq)
         seq.status = Status.WAITING
         seq.stats.preemptions += 1
@@ -87,5 +88,5 @@ class Scheduler:
     def retire(self, seq: Sequence) -> None:
         """Release a finished sequence's pages and its batch slot."""
         self.allocator.free(seq.pages)
-        self.allocator.free(seq.draft_pages)
+        self.draft_allocator.free(seq.draft_pages)
         self.running.remove(seq)

@@ -1,4 +1,4 @@
-"""Speculative decoding in the runtime: draft-target and MTP, on the engine's shared page allocator.
+"""Speculative decoding in the runtime: draft-target and MTP, the draft on a page allocator of its own.
 
 A decode step (every running sequence is decoding; n = its number of tokens), top to bottom:
 
@@ -39,7 +39,7 @@ from mtp_train.runtime.attention import select_backend
 from mtp_train.runtime.batch import build_batch
 from mtp_train.runtime.device import synchronize
 from mtp_train.runtime.engine import Engine, GenerationResult
-from mtp_train.runtime.kv_cache import KVPool
+from mtp_train.runtime.kv_cache import KVPool, PageAllocator
 from mtp_train.runtime.sampling import SamplingParams, target_distribution
 from mtp_train.runtime.scheduler import Scheduler
 from mtp_train.runtime.sequence import Sequence, Status
@@ -56,7 +56,7 @@ class Feed:
 
 
 class Drafter:
-    """A draft with its own K/V pool, whose pages come from the engine's allocator (``seq.draft_pages``).
+    """A draft with its own K/V pool and page allocator (``seq.draft_pages``), as many pages as the target's.
 
     Under tensor parallelism only the leader rank holds the draft's weights on the GPU and its K/V pool
     (``kv`` is None elsewhere); every rank keeps the same page bookkeeping.
@@ -66,10 +66,10 @@ class Drafter:
 
     def __init__(self, engine: Engine, num_layers: int, dtype: torch.dtype, sliding_window: int | None) -> None:
         self.engine = engine
-        self.allocator = engine.allocator
+        self.allocator = PageAllocator(engine.allocator.num_pages, engine.allocator.page_size)
         self.leader = engine.tp.rank == 0
         cfg = dataclasses.replace(self.kv_config(), num_layers=num_layers)
-        self.kv = KVPool(cfg, engine.allocator, dtype, engine.device) if self.leader else None
+        self.kv = KVPool(cfg, self.allocator, dtype, engine.device) if self.leader else None
         self.backend = select_backend("auto", engine.device, sliding_window, dtype)
         self.heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.carried: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # request id -> (logits [V], hidden [H])
@@ -246,10 +246,10 @@ class SpeculativeDecoder:
         on_step: Callable[[list[Sequence]], None] | None = None,
     ) -> list[GenerationResult]:
         """Decode every prompt to completion; ``on_step`` sees the requests' sequences after each step (progress)."""
-        scheduler, seqs = self.engine.start(prompts, params, slots_per_token=2)
+        scheduler, seqs = self.engine.start(prompts, params, draft_allocator=self.drafter.allocator)
         page = self.engine.allocator.page_size
-        for seq in seqs:  # room for one sequence alone, with both K/V and a step of drafts, guarantees progress
-            if 2 * (len(seq.tokens) + seq.params.max_new_tokens + self.k + 1 + page) > self.engine.allocator.num_pages * page:
+        for seq in seqs:  # room for one sequence alone, with a step of drafts, guarantees progress
+            if len(seq.tokens) + seq.params.max_new_tokens + self.k + 1 + page > self.engine.allocator.num_pages * page:
                 raise UserError(f"request {seq.request_id}: too long for the KV cache with a draft; raise the KV budget")
         while not scheduler.done:
             admit = scheduler.waiting and len(scheduler.running) < scheduler.max_seqs
@@ -278,7 +278,7 @@ class SpeculativeDecoder:
         if timed:
             synchronize(self.engine.device)
         t0 = time.perf_counter()
-        alloc = self.engine.allocator
+        alloc = self.drafter.allocator
         for f in feeds:
             alloc.truncate(f.seq.draft_pages, f.start)
         for f in feeds:
@@ -300,16 +300,15 @@ class SpeculativeDecoder:
 
     def _reserve(self, scheduler: Scheduler) -> list[tuple[Sequence, int]]:
         """Pages for k+1 target and draft positions per running sequence; preempts from the back when short."""
-        alloc, batch = self.engine.allocator, []
+        alloc, draft_alloc, batch = self.engine.allocator, self.drafter.allocator, []
         for seq in list(scheduler.running):
             k = self._k_for(seq)
-            while seq.status is Status.RUNNING and (
-                alloc.pages_needed(seq.pages, k + 1) + alloc.pages_needed(seq.draft_pages, k + 1) > alloc.num_free
-            ):
+            while seq.status is Status.RUNNING and (alloc.pages_needed(seq.pages, k + 1) > alloc.num_free
+                                                    or draft_alloc.pages_needed(seq.draft_pages, k + 1) > draft_alloc.num_free):
                 scheduler.preempt(scheduler.running[-1])
             if seq.status is Status.RUNNING:
                 alloc.reserve(seq.pages, k + 1)
-                alloc.reserve(seq.draft_pages, k + 1)
+                draft_alloc.reserve(seq.draft_pages, k + 1)
                 batch.append((seq, k))
         return [(seq, k) for seq, k in batch if seq.status is Status.RUNNING]
 

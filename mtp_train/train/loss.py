@@ -13,18 +13,29 @@ the bf16 top-K probabilities are rescaled to hold exactly the rest. The draft is
 the same way (its mass on those K tokens, and the rest, both in fp32 log space). The KL between
 these K+1-bucket distributions is exact when K covers the mass, and a lower bound of the full
 KL otherwise (``bench/topk_kl.py`` measures how far). ``exact`` recomputes ``lm_head(final_norm(h))`` instead.
+
+The vocabulary terms (the KL and the draft's top-1) are computed a chunk of rows at a time, each chunk's
+``[rows, vocab]`` fp32 tensors freed after its forward and rebuilt one chunk at a time in backward, so that the
+loss's own memory is bounded by ``CHUNK_BYTES`` whatever the batch (``bench/loss_memory.py`` measures it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from mtp_train.heads.base import DraftHead
 from mtp_train.heads.frozen import FrozenTarget
 from mtp_train.train.data import Batch
+
+
+# Bytes of one [rows, vocab] fp32 tensor of a chunk: 523 rows at vocab 128,256. Forward and backward hold a few
+# such tensors at a time, so the loss's peak is about 1 GiB on top of its inputs and gradients.
+CHUNK_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True)
@@ -59,14 +70,57 @@ def kl_topk(draft_logp: torch.Tensor, lp: torch.Tensor, ids: torch.Tensor, tail_
     return kl + tail
 
 
-def _step_index(cu: list[int], step: int) -> tuple[torch.Tensor, list[int]]:
-    """Rows ``i`` (document start + offset) that have a label at ``step``, and the step's document offsets."""
-    rows, step_cu = [], [0]
-    for start, stop in zip(cu[:-1], cu[1:]):
-        n = max(0, stop - start - 2 - step)
-        rows.append(torch.arange(start, start + n))
-        step_cu.append(step_cu[-1] + n)
-    return torch.cat(rows), step_cu
+def chunk_rows(vocab: int) -> int:
+    """Rows per chunk of the vocabulary terms: ``rows * vocab * 4 <= CHUNK_BYTES``, at least 1."""
+    return max(1, CHUNK_BYTES // (vocab * 4))
+
+
+def _vocab_chunk(frozen: FrozenTarget, exact: bool, x: torch.Tensor, *teacher: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk: lm_head inputs ``x [c, H]`` and the teacher's rows (exact: pre-norm target hidden ``[c, H]``;
+    top-K: ``lp, ids [c, K]``, ``tail_lp [c]``) -> KL ``[c]`` fp32, draft top-1 and target top-1 ``[c]`` int64."""
+    draft_logp = torch.log_softmax(frozen.logits(x), dim=-1)
+    if exact:
+        target_logp = torch.log_softmax(frozen.logits(frozen.final_norm(teacher[0])), dim=-1)
+        kl = (target_logp.exp() * (target_logp - draft_logp)).sum(-1)
+        return kl, draft_logp.argmax(-1), target_logp.argmax(-1)
+    return kl_topk(draft_logp, *teacher), draft_logp.argmax(-1), teacher[1][:, 0]
+
+
+def vocab_terms(frozen: FrozenTarget, x: torch.Tensor, teacher: list[torch.Tensor], exact: bool
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_vocab_chunk`` over all rows, ``chunk_rows(vocab)`` at a time: ``x [n, H]`` and the teacher's ``[n, ...]``
+    -> KL ``[n]`` fp32 (differentiable w.r.t. ``x``), draft top-1 and target top-1 ``[n]`` int64.
+
+    Non-reentrant checkpointing keeps only each chunk's inputs and recomputes its forward in backward, where the
+    autograd engine runs one chunk's nodes at a time (later chunks first) and frees them as it goes. It is chosen
+    over a hand-written autograd.Function because the formula then exists once, its backward is autograd's own
+    (so the gradients are those of the unchunked loss), and any input that requires grad is handled. No RNG is
+    drawn, so its state is not saved.
+    """
+    rows = chunk_rows(frozen.lm_head_weight.shape[0])
+    chunks = zip(x.split(rows), *(t.split(rows) for t in teacher))
+    parts = [checkpoint(_vocab_chunk, frozen, exact, *c, use_reentrant=False, preserve_rng_state=False)
+             for c in chunks]
+    kl, draft_top1, target_top1 = (torch.cat(p) for p in zip(*parts))
+    return kl, draft_top1, target_top1
+
+
+def _ragged_arange(starts: list[int], counts: list[int], device: torch.device | None) -> torch.Tensor:
+    """``cat([arange(s, s + c) for s, c in zip(starts, counts)])`` as one ``[sum(counts)]`` int64 on ``device``,
+    in a few ops rather than one per document."""
+    total = sum(counts)
+    shift = [s - b for s, b in zip(starts, accumulate(counts, initial=0))]  # start minus where its run begins
+    runs = torch.tensor(shift, dtype=torch.long, device=device).repeat_interleave(
+        torch.tensor(counts, dtype=torch.long, device=device), output_size=total)
+    return torch.arange(total, device=device) + runs
+
+
+def _step_index(cu: list[int], step: int, device: torch.device | None = None) -> tuple[torch.Tensor, list[int]]:
+    """Rows ``i`` (document start + offset) that have a label at ``step``, ``[rows]`` int64 on ``device``, and the
+    step's document offsets."""
+    counts = [max(0, stop - start - 2 - step) for start, stop in zip(cu[:-1], cu[1:])]
+    return _ragged_arange(cu[:-1], counts, device), list(accumulate(counts, initial=0))
 
 
 def head_loss(
@@ -82,17 +136,17 @@ def head_loss(
     total = batch.hidden.new_zeros(())
     metrics: list[StepMetrics] = []
     prev_out, prev_cu = None, None
+    device = batch.tokens.device
     for j in range(weights.unroll):
-        rows, step_cu = _step_index(batch.cu_seqlens, j)
+        rows, step_cu = _step_index(batch.cu_seqlens, j, device)
         if rows.numel() == 0:
             break
+        counts = [b - a for a, b in zip(step_cu[:-1], step_cu[1:])]
         if j == 0:
             hidden_in = hidden_side[rows]
         else:  # own previous output at the same document positions
-            keep = torch.cat([torch.arange(a, a + (b2 - a2)) for a, a2, b2 in zip(prev_cu[:-1], step_cu[:-1], step_cu[1:])])
-            hidden_in = prev_out[keep]
-        starts = torch.tensor(batch.cu_seqlens[:-1]).repeat_interleave(torch.tensor(step_cu[1:]) - torch.tensor(step_cu[:-1]))
-        positions = rows - starts + j
+            hidden_in = prev_out[_ragged_arange(prev_cu[:-1], counts, device)]
+        positions = _ragged_arange([j] * len(counts), counts, device)
         out = forward(frozen.embed(batch.tokens[rows + 1 + j]), hidden_in, positions, step_cu)
         mask = batch.loss_mask[rows + 2 + j]
         count = int(mask.sum())
@@ -102,18 +156,13 @@ def head_loss(
             continue
         target_rows = rows[mask] + 1 + j
         sl1 = F.smooth_l1_loss(out[mask], hidden_side[target_rows], reduction="none").mean(-1)
-        draft_logp = torch.log_softmax(frozen.logits(head.lm_head_input(out[mask])), dim=-1)
-        if weights.teacher == "exact":
-            target_logp = torch.log_softmax(frozen.logits(frozen.final_norm(batch.hidden[target_rows])), dim=-1)
-            kl = (target_logp.exp() * (target_logp - draft_logp)).sum(-1)
-            target_top1 = target_logp.argmax(-1)
-        else:
-            kl = kl_topk(draft_logp, batch.topk_logprobs[target_rows], batch.topk_ids[target_rows],
-                         batch.tail_logprob[target_rows])
-            target_top1 = batch.topk_ids[target_rows, 0]
+        exact = weights.teacher == "exact"
+        teacher = [batch.hidden[target_rows]] if exact else [
+            batch.topk_logprobs[target_rows], batch.topk_ids[target_rows], batch.tail_logprob[target_rows]]
+        kl, draft_top1, target_top1 = vocab_terms(frozen, head.lm_head_input(out[mask]), teacher, exact)
         step_loss = weights.w_hidden * sl1.mean() + weights.w_logits * kl.mean()
         total = total + (weights.decay**j) * step_loss
-        correct = int((draft_logp.argmax(-1) == target_top1).sum())
+        correct = int((draft_top1 == target_top1).sum())
         metrics.append(StepMetrics(step_loss.detach(), correct, count))
     return total, metrics
 

@@ -1,0 +1,67 @@
+"""The KV cache's size: from the recipe (GiB), from the GPU's free memory once the weights are loaded, and a
+draft's own pool in proportion to its size, so that speculation leaves the target its whole capacity."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import TINY_TARGET
+from fake_cuda import fake_cuda
+from mtp_train.errors import UserError
+from mtp_train.models.tp import TensorParallel
+from mtp_train.recipe import TargetConfig
+from mtp_train.runtime.engine import CPU_KV_BYTES, Engine, kv_budget
+from mtp_train.runtime.sampling import SamplingParams
+from mtp_train.runtime.speculative import HeadDrafter, SpeculativeDecoder
+
+
+def _target(**fields) -> TargetConfig:
+    return TargetConfig(path=TINY_TARGET, **fields)
+
+
+def test_the_budget_comes_from_the_recipe_or_the_gpu(monkeypatch):
+    assert kv_budget(_target(kv_cache_gb=1.5), torch.device("cpu")) == int(1.5 * 2**30)
+    assert kv_budget(_target(), torch.device("cpu")) == CPU_KV_BYTES
+    with fake_cuda(monkeypatch):  # 16 GiB, of which 8 GiB are free once the weights are loaded
+        cuda = torch.device("cuda", 0)
+        assert kv_budget(_target(gpu_memory_fraction=0.9), cuda) == int(0.9 * 16 * 2**30) - 8 * 2**30
+        assert kv_budget(_target(kv_cache_gb=2.0, gpu_memory_fraction=0.9), cuda) == 2 * 2**30
+        with pytest.raises(UserError, match="target.gpu_memory_fraction"):
+            kv_budget(_target(gpu_memory_fraction=0.4), cuda)
+
+
+def test_the_engine_sizes_its_pages_from_the_recipe():
+    small = Engine.for_target(_target(kv_cache_gb=0.01, attention_backend="torch"), torch.float32,
+                              torch.device("cpu"), TensorParallel())
+    large = Engine.for_target(_target(kv_cache_gb=0.04), torch.float32, torch.device("cpu"), TensorParallel())
+    cfg = small.cfg
+    page_bytes = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim * 4
+    assert small.allocator.num_pages == int(0.01 * 2**30) // page_bytes
+    assert large.allocator.num_pages == int(0.04 * 2**30) // page_bytes
+
+
+def _head(engine):
+    from mtp_train.heads import build_head, head_spec
+
+    torch.manual_seed(0)
+    return build_head(head_spec("mtp", 1, engine.cfg, "x"))
+
+
+def test_a_head_takes_kv_memory_in_proportion_to_its_layers():
+    engine = Engine.from_pretrained(TINY_TARGET, num_pages=100)
+    drafter = HeadDrafter(engine, _head(engine))
+    assert drafter.allocator.num_pages == engine.allocator.num_pages
+    target_bytes = engine.kv.k.numel() + engine.kv.v.numel()
+    draft_bytes = drafter.kv.k.numel() + drafter.kv.v.numel()
+    assert draft_bytes * engine.cfg.num_layers == target_bytes  # one layer of the target's
+
+
+def test_speculation_leaves_the_target_its_whole_capacity():
+    """A request that fills most of the target's KV slots decodes with a draft too (it used to need twice)."""
+    engine = Engine.from_pretrained(TINY_TARGET, num_pages=12, max_seqs=1)  # 192 slots
+    prompt = list(range(5, 125))  # 120 tokens + 40 new + k + 1 + a page < 192 < twice that
+    params = SamplingParams(max_new_tokens=40, stop_token_ids=())
+    plain = engine.generate([prompt], params)[0].tokens
+    out = SpeculativeDecoder(engine, HeadDrafter(engine, _head(engine)), 3).generate([prompt], params)
+    assert out[0].tokens == plain
