@@ -56,7 +56,8 @@ class TargetConfig(Section):
         1, description="Tensor-parallel ranks for the target. Must divide its attention and KV heads."
     )
     attention_backend: Literal["auto", "torch", "flashinfer"] = Field(
-        "auto", description="Attention kernels: `auto` picks flashinfer on CUDA and torch otherwise."
+        "auto", description="Attention kernels: `auto` picks flashinfer on CUDA when it is installed (the `gpu` extra), "
+        "and torch otherwise."
     )
     trust_remote_code: bool = Field(
         False, description="Allow the tokenizer's custom Python code to run. Off unless you trust the checkpoint."
