@@ -112,7 +112,7 @@ def _add_slurm_parser(sub) -> None:
 
 def _dispatch(args: argparse.Namespace) -> int:
     from mtp_train.errors import StageNotBuilt
-    from mtp_train.pipeline import STAGE_BY_NAME, STAGES, check_data, check_inputs, plan_text, run_stage
+    from mtp_train.pipeline import STAGE_BY_NAME, STAGES, check_data, check_inputs, memory_text, plan_text, run_stage
     from mtp_train.recipe import load_recipe, recipe_to_yaml
 
     if args.command == "verify":
@@ -128,6 +128,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         print("# resolved recipe")
         print(recipe_to_yaml(recipe), end="")
         print(plan_text(recipe, stages))
+        print(memory_text(recipe))
         return 0
     try:
         for stage in stages:

@@ -109,6 +109,15 @@ def check_data(recipe: Recipe, stages: tuple[Stage, ...]) -> None:
         check_first_rows(recipe)
 
 
+def memory_text(recipe: Recipe) -> str:
+    """What each stage holds per rank on an H100 80 GB (``mtp_train.memory``), from the target's config."""
+    from mtp_train.memory import plan_lines
+    from mtp_train.models.config import ModelConfig
+
+    ckpt = find_checkpoint(recipe.target.path)
+    return "\n".join(plan_lines(ModelConfig.from_hf(ckpt.config, str(recipe.target.path / "config.json")), recipe))
+
+
 def plan_text(recipe: Recipe, stages: tuple[Stage, ...] = STAGES) -> str:
     lines = ["plan:"]
     for i, stage in enumerate(stages, 1):

@@ -112,7 +112,7 @@ def test_dry_run_prints_resolved_recipe_and_plan():
     assert resolved["head"]["kind"] == "eagle"
     assert resolved["train"]["grad_clip"] == 1.0, "defaults are filled in"
     assert Path(resolved["target"]["path"]) == TINY_TARGET.resolve()
-    steps = [line.split()[1] for line in plan.strip().splitlines()]
+    steps = [line.split()[1] for line in plan.split("memory per rank")[0].strip().splitlines()]
     assert steps == ["precompute", "train", "eval", "report"]
     assert "eagle head" in plan
 
@@ -120,7 +120,7 @@ def test_dry_run_prints_resolved_recipe_and_plan():
 def test_dry_run_of_one_stage_plans_only_that_stage():
     proc = run_cli("train", TINY_RECIPE, "--dry-run")
     assert proc.returncode == 0, proc.stderr
-    plan = proc.stdout.split("plan:\n")[1]
+    plan = proc.stdout.split("plan:\n")[1].split("memory per rank")[0]
     assert [line.split()[1] for line in plan.strip().splitlines()] == ["train"]
 
 
@@ -163,10 +163,10 @@ def test_full_run_goes_through_every_stage_then_skips_them(tmp_path):
 
 
 def test_samples_dry_run_against_their_real_model_configs(tmp_path):
-    """The 70B sample's TP=8 divides Llama-3.3-70B's 64 heads and 8 KV heads. (The dry run also renders the first
-    rows of the data with the tokenizer: here the tiny target's, over a small file in the sample's format.)"""
-    config = {"model_type": "llama", "num_attention_heads": 64, "num_key_value_heads": 8}
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    """The 70B sample's TP=8 divides Llama-3.3-70B's 64 heads and 8 KV heads, and its dry run prints the memory plan
+    that the recipe's comment states. (The dry run also renders the first rows of the data with the tokenizer: here
+    the tiny target's, over a small file in the sample's format.)"""
+    shutil.copy(REPO / "recipes/configs/llama-3.3-70b.json", tmp_path / "config.json")
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "w.safetensors"}}))
     (tmp_path / "w.safetensors").write_bytes(b"")
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
@@ -176,6 +176,8 @@ def test_samples_dry_run_against_their_real_model_configs(tmp_path):
     proc = run_cli(REPO / "recipes/llama3.3-70b.yaml", f"target.path={tmp_path}",
                    f"data.train={tmp_path / 'data.jsonl'}", "--dry-run")
     assert proc.returncode == 0, proc.stderr
+    memory = proc.stdout.split("memory per rank")[1].splitlines()[1:]
+    assert len(memory) == 2 and all(f"# {line}\n" in (REPO / "recipes/llama3.3-70b.yaml").read_text() for line in memory)
     assert_one_line_user_error(
         run_cli(REPO / "recipes/llama3.3-70b.yaml", f"target.path={tmp_path}", "target.tp=16", "--dry-run"),
         "16 does not divide the target's 8 KV heads",

@@ -61,7 +61,7 @@ class GenerationResult:
 
 @dataclass
 class ScoreOutput:
-    """Teacher-forced features of packed sequences (``T`` tokens, ``S`` sequences, ``L`` layers).
+    """Teacher-forced features of packed sequences (``T`` tokens, ``S`` sequences, ``L`` layers), on the CPU.
 
     - ``cu_seqlens [S+1]`` int64 offsets of the sequences;
     - ``hidden [T, L, H]``: outputs of the requested layers; the last layer is taken **before** the final norm;
@@ -259,7 +259,7 @@ class Engine:
                 stop = start + (stop - start) // 2  # fewer sequences per batch, then retry
                 continue
             for acc, part in zip((hidden, lp, ids, lse, tail), out):
-                acc.append(part)
+                acc.append(part.cpu())  # a shard's features gather in host memory, not on the GPU
             if on_batch is not None:
                 on_batch(sum(len(s) for s in sequences[start:stop]))
             start = stop
