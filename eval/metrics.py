@@ -16,8 +16,8 @@ Conventions (the definitions of ``DESIGN.md``, "Evaluation"):
 - **distinct-2** (``distinct2``): distinct bigrams / bigrams, bigrams taken inside each output and the set of
   distinct ones over all outputs. A looping target scores low, and its inflated acceptance should be read
   against this figure.
-- **Expected speedup** (``expected_speedup``): τ / (1 + k·c), c = cost of one draft step relative to one target
-  step.
+- **Expected speedup** (``expected_speedup``): τ / (1 + k·c), c = mean wall time of one batched draft forward in
+  decode steps over that of one plain decode step (:mod:`eval.timing`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from eval.report import Group, SweepPoint
+from eval.report import DraftCost, Group, SweepPoint
 
 LENGTH_BUCKETS = ((0, 127, "0-127"), (128, 511, "128-511"), (512, 2047, "512-2047"), (2048, None, "2048+"))
 
@@ -150,8 +150,10 @@ def _prompt_set(trace: RequestTrace) -> str:
 
 
 def sweep_point(k: int, temperature: float, traces: list[RequestTrace], c: float, measured: float,
-                lossless: bool | None) -> SweepPoint:
-    """The report's record of one speculative run at (k, temperature): its metrics overall and by group."""
+                lossless: bool | None, *, cost: DraftCost | None = None, greedy_violations: int | None = None,
+                divergences: int | None = None) -> SweepPoint:
+    """The report's record of one speculative run at (k, temperature): its metrics overall and by group, the
+    terms of ``c`` (``cost``) and, at T = 0, what the lossless check found."""
     tau = pooled_tau(traces)
     cond, uncond = alpha(traces, k)
     return SweepPoint(
@@ -163,4 +165,5 @@ def sweep_point(k: int, temperature: float, traces: list[RequestTrace], c: float
         by_category={name: _group(g, k) for name, g in group_by(traces, "category").items()},
         by_length={name: _group(g, k) for name, g in group_by(traces, "length_bucket").items()},
         by_prompt_set={name: _group(g, k) for name, g in group_by(traces, _prompt_set).items()},
+        cost=cost, greedy_violations=greedy_violations, divergences=divergences,
     )

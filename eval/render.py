@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from eval.diagnosis import diagnosis_blocks, speedup_note
+from eval.lossless import lossless_blocks
 from eval.plots import PLOTS, bucket_order, render_plots
 from eval.report import (
     FILES,
@@ -85,6 +86,27 @@ def _group_table(groups: dict[str, Any], order: list[str]) -> tuple:
     return ("table", ["group", "prompts", "τ", "α_j conditional (j = 1..k)", "distinct-2", "measured speedup"], rows)
 
 
+def _cost_terms(r: Report) -> str:
+    """`` (a ms / b ms)`` for the headline point's c, empty when the report predates the record."""
+    cost = next((p.cost for p in r.sweep if (p.k, p.temperature) == (r.k, r.temperature)), None)
+    return "" if cost is None else f" ({cost.draft_forward_ms:.3f} ms / {cost.plain_decode_step_ms:.3f} ms)"
+
+
+def _cost_blocks(r: Report) -> list[tuple]:
+    rows = [[name, str(p.k), f"{p.temperature:g}", str(p.cost.draft_forwards), _num(p.cost.draft_forward_ms, 3),
+             f"{p.cost.plain_decode_steps} of {p.cost.plain_steps}", _num(p.cost.plain_decode_step_ms, 3),
+             _num(p.draft_cost_ratio, 3)]
+            for name, sweep in [(r.mode, r.sweep)] + [(c.name, c.sweep) for c in r.comparisons]
+            for p in sorted(sweep, key=lambda p: (p.temperature, p.k)) if p.cost is not None]
+    if not rows:
+        return [("p", "This report does not record the terms of c.")]
+    return [("p", "c = mean wall time of one batched draft forward in speculative decode steps / mean wall time of "
+                  "one plain decode step (a step in which every sequence decodes one token; prefill and mixed steps "
+                  "are left out). Both after a warm-up, the device synchronized around every timed region."),
+            ("table", ["draft", "k", "T", "draft forwards", "ms / draft forward", "plain decode steps",
+                       "ms / decode step", "c"], rows)]
+
+
 def _sections(report: Report) -> list[tuple[str, list[tuple]]]:
     r = report
     sections: list[tuple[str, list[tuple]]] = []
@@ -99,13 +121,15 @@ def _sections(report: Report) -> list[tuple[str, list[tuple]]]:
         blocks.append(("flag", "MISMATCH: the runtime's validation numbers differ from the trainer's beyond the "
                                f"tolerance {r.val_tolerance:g}."))
     if r.lossless is False:
-        blocks.append(("flag", "NOT LOSSLESS: speculative output differs from plain greedy decoding at T=0"
-                               + (f" ({r.lossless_detail})" if r.lossless_detail else "") + "."))
+        blocks.append(("flag", f"NOT LOSSLESS: speculative decoding at T=0 failed the check "
+                               f"({r.lossless_check or 'token identity with plain greedy decoding'})"
+                               + (f": {r.lossless_detail}" if r.lossless_detail else "") + "."))
     blocks.append(("table", ["metric", "value"], [
         ["mode", r.mode],
         ["headline setting", setting],
         ["τ (tokens per target step, bonus included)", _num(r.tau)],
-        ["draft cost ratio c (one draft step / one target step)", _num(r.draft_cost_ratio, 3)],
+        ["draft cost ratio c (one draft forward / one plain decode step)",
+         _num(r.draft_cost_ratio, 3) + _cost_terms(r)],
         ["expected speedup τ / (1 + k·c)", _num(r.expected_speedup, 2, "×")],
         ["measured speedup (plain / speculative wall time)", _num(r.measured_speedup, 2, "×")],
         ["distinct-2", _num(r.distinct2, 3)],
@@ -148,6 +172,7 @@ def _sections(report: Report) -> list[tuple[str, list[tuple]]]:
                    "lossless", "prompts", "steps", "tokens"], rows),
         ("img", "tau_by_k"),
     ]))
+    sections.append(("Draft cost c: what it was computed from", _cost_blocks(r)))
 
     sections.append((f"τ by prompt category ({setting})", [
         _group_table(r.by_category, sorted(r.by_category)) if r.by_category else ("p", "No categories recorded."),
@@ -206,18 +231,7 @@ def _sections(report: Report) -> list[tuple[str, list[tuple]]]:
                              "val acc (runtime)", "val acc (trainer)", "Δ acc"], rows))
     sections.append(("Validation per unrolled step", blocks))
 
-    # Lossless.
-    t0 = [p for p in r.sweep if p.lossless is not None]
-    if r.lossless is None:
-        blocks = [("p", "Lossless: n/a. No sweep point ran at temperature 0, where speculative output must be "
-                        "token-identical to plain greedy decoding; add 0.0 to eval.temperatures to check it.")]
-    elif r.lossless:
-        blocks = [("p", f"Lossless: yes. At temperature 0 the speculative output was token-identical to the "
-                        f"runtime's plain greedy output on every eval prompt ({len(t0)} sweep point(s) checked).")]
-    else:
-        blocks = [("flag", "Lossless: NO. Speculative output at temperature 0 differs from plain greedy decoding"
-                           + (f": {r.lossless_detail}" if r.lossless_detail else "."))]
-    sections.append(("Lossless check", blocks))
+    sections.append(("Lossless check", lossless_blocks(r)))
 
     if r.samples:
         sections.append((f"Text samples ({setting})", sample_blocks(r.samples)))

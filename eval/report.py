@@ -6,8 +6,10 @@ Conventions (``../shared/DESIGN.md``, "Evaluation: definitions used in every rep
   of all requests; plain decoding has τ = 1.
 - **α_j** is the rate at which draft position j is accepted given that positions 1..j-1 were accepted;
   ``alpha_unconditional`` is the plain per-position rate.
-- **Expected speedup** is τ / (1 + k·c), with c the measured cost of one draft step relative to one target
-  step (``draft_cost_ratio``).
+- **Expected speedup** is τ / (1 + k·c), with c the mean wall time of one batched draft forward in decode steps
+  over that of one plain decode step (``draft_cost_ratio``; its two terms in ``SweepPoint.cost``).
+- **Lossless** (T = 0): strict token identity with plain decoding when the target runs in float32; in bf16/fp16,
+  no greedy violation and every divergence from plain decoding a near-tie (:mod:`eval.lossless`).
 
 Rendering (Markdown, HTML) and writing the three files is :mod:`eval.render`'s.
 
@@ -57,6 +59,8 @@ __all__ = [
     "TAU_CONVENTION",
     "BaselineDiff",
     "Comparison",
+    "DraftCost",
+    "Divergence",
     "Group",
     "Report",
     "Sample",
@@ -80,6 +84,39 @@ class Group(BaseModel):
     """Verify steps in the slice, so that slices can be pooled (α₁ is accepted first drafts / steps)."""
 
 
+class DraftCost(BaseModel):
+    """The terms of c = ``draft_forward_ms`` / ``plain_decode_step_ms``, so that a reader can check it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    draft_forwards: int
+    """Batched draft forwards in speculative decode steps (chain forwards and re-syncs), the numerator's count."""
+    draft_forward_ms: float
+    plain_steps: int
+    """Every step of the plain run at the same temperature (its wall time is the measured speedup's numerator)."""
+    plain_decode_steps: int
+    """The plain steps in which every scheduled sequence decoded exactly one token: the denominator's count."""
+    plain_decode_step_ms: float
+
+
+class Divergence(BaseModel):
+    """Where a T = 0 speculative output first differs from plain decoding of the same prompt."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    draft: str
+    """The draft and its k, e.g. ``mtp, k=2``."""
+    prompt_id: str
+    index: int
+    """The generated token at which the outputs first differ (0 = the first generated token)."""
+    plain_token: int | None
+    spec_token: int | None
+    """``None`` where that output ended before ``index``."""
+    gap: float | None
+    """Target log-prob of its top-1 minus its top-2 there, in nats; ``None`` when the two tokens are not its top-2."""
+    near_tie: bool
+
+
 class SweepPoint(BaseModel):
     """One eval run at one (k, temperature)."""
 
@@ -101,6 +138,11 @@ class SweepPoint(BaseModel):
     by_category: dict[str, Group]
     by_length: dict[str, Group]
     by_prompt_set: dict[str, Group] = Field(default_factory=dict)
+    cost: DraftCost | None = None
+    greedy_violations: int | None = None
+    """At T = 0: emitted tokens that differ from the target's argmax in the verify forward that decided them."""
+    divergences: int | None = None
+    """At T = 0: prompts whose speculative output differs from plain decoding (near-ties included)."""
 
 
 class Sample(BaseModel):
@@ -150,8 +192,16 @@ class Report(BaseModel):
     k: int
     temperature: float
     lossless: bool | None
-    """Every T = 0 sweep point token-identical to plain decoding; ``None`` (n/a) when none was at T = 0."""
+    """Every T = 0 sweep point passed the lossless check; ``None`` (n/a) when none was at T = 0."""
     lossless_detail: str | None = None
+    lossless_check: str | None = None
+    """How ``lossless`` was decided (:data:`eval.lossless.STRICT` or the near-tie check), ``None`` in old reports."""
+    near_tie_nats: float | None = None
+    greedy_violations: int | None = None
+    """Over every T = 0 sweep point of every draft."""
+    num_divergences: int | None = None
+    divergences: list[Divergence] = Field(default_factory=list)
+    """The first few divergences from plain decoding at T = 0 (``num_divergences`` in all)."""
     draft_cost_ratio: float
     expected_speedup: float
     measured_speedup: float | None

@@ -7,9 +7,10 @@ validation through the runtime -> ``report.json``, ``report.md``, ``report.html`
 
 Conventions: tau counts the tokens emitted per target verification step, bonus token included (plain
 decoding has tau = 1); the prefill step's token is not a verification step. The draft cost ratio c is the
-mean wall time of one batched draft forward in decode steps over that of one plain decode step, both in this
-runtime at the same batch size. The headline is the lowest-temperature sweep point with the highest
-expected speedup tau / (1 + k c).
+mean wall time of one batched draft forward in decode steps over that of one plain decode step (a step in
+which every sequence decodes one token), both in this runtime at the same batch size, after a warm-up
+(:mod:`eval.timing`). Lossless at T = 0 is :mod:`eval.lossless`'s check. The headline is the lowest-temperature
+sweep point with the highest expected speedup tau / (1 + k c).
 """
 
 from __future__ import annotations
@@ -23,15 +24,17 @@ from typing import Any
 import torch
 
 from eval.assemble import assemble_report
+from eval.lossless import LosslessCheck, check_lossless, check_name, summarize
 from eval.metrics import RequestTrace, sweep_point
 from eval.prompts import EvalPrompt, load_prompt_set, render_prompt
 from eval.render import keep_previous, write_report
 from eval.report import FILES, Comparison, SweepPoint, load_report
 from eval.samples import pick_samples
+from eval.timing import draft_cost, plain_decode, timed_generate, warm_up
 from mtp_train.errors import UserError
 from mtp_train.progress import Progress
 from mtp_train.recipe import Recipe
-from mtp_train.runtime.engine import Engine, GenerationResult
+from mtp_train.runtime.engine import Engine
 from mtp_train.runtime.sampling import SamplingParams
 from mtp_train.runtime.sequence import Sequence, Status
 from mtp_train.runtime.speculative import Drafter, SpeculativeDecoder
@@ -108,36 +111,42 @@ def run_eval(recipe: Recipe, baseline: Path | None = None) -> Path:
     warn_if_oversubscribed("eval", leader)
     # Warm-up: the first forwards of a process pay one-off costs (allocations, kernel selection) that would
     # otherwise be charged to the plain baseline alone and inflate every measured speedup.
+    # (Each draft gets its own warm-up before its sweep, in _sweep.)
     warm = token_ids[: e.batch_size]
-    _plain(engine, warm, [SamplingParams(max_new_tokens=4)] * len(warm), Progress("", 0, "", enabled=False))
+    plain_decode(engine, warm, [SamplingParams(max_new_tokens=4)] * len(warm))
     plain = {}
     for temperature in e.temperatures:
         params = [SamplingParams(temperature=temperature, max_new_tokens=e.max_new_tokens,
                                  seed=recipe.seed * 1_000_003 + i) for i in range(len(prompts))]
         progress = Progress(f"eval: plain T={temperature:g}", len(prompts), "prompts", enabled=leader)
-        plain[temperature] = (params, *_plain(engine, token_ids, params, progress))
-    mismatches: list[str] = []  # first mismatch of each sweep point that was not lossless
+        plain[temperature] = (params, *plain_decode(engine, token_ids, params, lambda s: _advance(progress, s)))
+        progress.close()
+    checks: list[LosslessCheck] = []  # one per T = 0 sweep point of every draft
     replies: dict[tuple[int, float], list[list[int]]] = {}  # (k, T) -> the head's output tokens per prompt
-    sweep = _sweep(engine, drafter, prompts, token_ids, plain, e.k, mismatches, replies)
+    sweep = _sweep(engine, drafter, prompts, token_ids, plain, e.k, checks, replies)
     comparisons = []
     for name in e.compare:
         other = _other_drafter(engine, name, others[name])
-        points = _sweep(engine, other, prompts, token_ids, plain, e.k, mismatches)
+        points = _sweep(engine, other, prompts, token_ids, plain, e.k, checks)
         comparisons.append(Comparison(name=name, sweep=points))
-    lossless = (not mismatches) if 0 in plain else None  # n/a: nothing was compared at T = 0
-    detail = "; ".join(mismatches[:3]) or None
-    validation = head_validation() if head_validation else None
-    report = assemble_report(recipe, mode, sweep, lossless, detail, validation, key, skipped, len(prompts))
+    verdict = summarize(checks, check_name(engine))
+    validation = head_validation() if head_validation else None  # collective: every rank scores
+    if not leader:  # the leader alone holds the head's numbers and writes the report
+        torch.distributed.barrier()
+        return out
+    report = assemble_report(recipe, mode, sweep, verdict.pop("lossless"), verdict.pop("lossless_detail"),
+                             validation, key, skipped, len(prompts))
     report.comparisons = comparisons
+    for name, value in verdict.items():
+        setattr(report, name, value)
     reference = [r.tokens for r in plain[report.temperature][1]]
     report.samples = pick_samples(prompts, replies[report.k, report.temperature], reference, tokenizer,
                                   compared=report.temperature == 0)
-    if leader:
-        if done.is_file():  # another eval's report (other settings, or unreadable): keep it beside this one
-            kept = keep_previous(out, old.created if old is not None else None)
-            print(f"eval: the previous report (other settings) is kept in {kept}", file=sys.stderr)
-        paths = write_report(report, out, baseline)
-        print(f"eval: report -> {paths['html']} ({time.perf_counter() - start:.0f}s)", file=sys.stderr)
+    if done.is_file():  # another eval's report (other settings, or unreadable): keep it beside this one
+        kept = keep_previous(out, old.created if old is not None else None)
+        print(f"eval: the previous report (other settings) is kept in {kept}", file=sys.stderr)
+    paths = write_report(report, out, baseline)
+    print(f"eval: report -> {paths['html']} ({time.perf_counter() - start:.0f}s)", file=sys.stderr)
     if engine.tp.size > 1:
         torch.distributed.barrier()
     return out
@@ -282,68 +291,45 @@ def _other_drafter(engine: Engine, name: str, loaded) -> Drafter:
 # -- decoding ----------------------------------------------------------------------------------------------
 
 def _sweep(engine: Engine, drafter: Drafter, prompts, token_ids, plain: dict, ks: list[int],
-           mismatches: list[str], replies: dict | None = None) -> list[SweepPoint]:
-    """Speculative decoding at every k and each temperature of ``plain`` (its params, results, time, steps).
-    Each temperature-0 point that is not token-identical to plain decoding adds its first mismatch; with
+           checks: list[LosslessCheck], replies: dict | None = None) -> list[SweepPoint]:
+    """Speculative decoding at every k and each temperature of ``plain`` (its params, results, timing), after an
+    untimed warm-up of this draft. Each temperature-0 point adds its lossless check to ``checks``; with
     ``replies``, each point's output tokens are kept there under ``(k, T)``."""
+    warm_up(engine, drafter, token_ids, max(ks), list(plain))
     points = []
-    for temperature, (params, reference, plain_s, plain_steps) in plain.items():
+    for temperature, (params, reference, timing) in plain.items():
         for k in ks:
             decoder = SpeculativeDecoder(engine, drafter, k)
             progress = Progress(f"eval: {drafter.name} k={k} T={temperature:g}", len(prompts), "prompts",
                                 enabled=engine.tp.is_leader, summary=False)  # the line below sums it up
-            t0 = time.perf_counter()
-            results = decoder.generate(token_ids, params, on_step=lambda seqs: _advance(progress, seqs))
-            spec_s = time.perf_counter() - t0
+            results, spec_s = timed_generate(decoder, token_ids, params, lambda seqs: _advance(progress, seqs))
             progress.close()
             if replies is not None:
                 replies[k, temperature] = [r.tokens for r in results]
-            same = None
+            check = None
             if temperature == 0:
-                same, why = _compare(reference, results, prompts)
-                if not same:
-                    mismatches.append(f"{drafter.name}, k={k}: {why}")
-            t = decoder.timings
-            c = (t.draft_s / max(1, t.draft_forwards)) / (plain_s / max(1, plain_steps))
-            point = sweep_point(k, temperature, _traces(prompts, token_ids, results), c, plain_s / spec_s, same)
+                check = check_lossless(engine, f"{drafter.name}, k={k}", [p.prompt_id for p in prompts], token_ids,
+                                       reference, results, decoder.greedy_violations)
+                checks.append(check)
+            c, cost = draft_cost(decoder.timings, timing)
+            point = sweep_point(k, temperature, _traces(prompts, token_ids, results), c, timing.wall_s / spec_s,
+                                None if check is None else check.lossless, cost=cost,
+                                greedy_violations=None if check is None else check.greedy_violations,
+                                divergences=None if check is None else len(check.divergences))
             points.append(point)
             if engine.tp.is_leader:
                 print(f"eval: {drafter.name} k={k} T={temperature:g}: tau {point.tau:.3f}, alpha "
-                      f"{[round(a, 3) for a in point.alpha]}, c {c:.3f}, expected x{point.expected_speedup:.2f}, "
-                      f"measured x{point.measured_speedup:.2f}" + ("" if same is None else f", lossless {same}"),
-                      file=sys.stderr)
+                      f"{[round(a, 3) for a in point.alpha]}, c {c:.3f} ({cost.draft_forward_ms:.3f} ms / "
+                      f"{cost.plain_decode_step_ms:.3f} ms), expected x{point.expected_speedup:.2f}, "
+                      f"measured x{point.measured_speedup:.2f}"
+                      + ("" if check is None else f", lossless {check.lossless}"), file=sys.stderr)
     return points
-
-
-
-def _plain(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], progress: Progress):
-    """Plain decoding through the runtime: results, wall time and the number of batched steps."""
-    with torch.inference_mode():
-        t0 = time.perf_counter()
-        scheduler, seqs = engine.start(prompts, params)
-        steps = 0
-        while not scheduler.done:
-            engine.step(scheduler)
-            steps += 1
-            _advance(progress, seqs)
-        elapsed = time.perf_counter() - t0
-    progress.close()
-    return [GenerationResult(s.output, s.stats) for s in seqs], elapsed, steps
 
 
 def _advance(progress: Progress, seqs: list[Sequence]) -> None:
     """Bring ``progress`` to the prompts finished and the tokens generated so far."""
     finished = sum(s.status is Status.FINISHED for s in seqs)
     progress.update(finished - progress.done, sum(len(s.output) for s in seqs) - progress.tokens)
-
-
-def _compare(plain: list[GenerationResult], spec: list[GenerationResult], prompts: list[EvalPrompt]):
-    for p, a, b in zip(prompts, plain, spec):
-        if a.tokens != b.tokens:
-            i = next((j for j, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y), min(len(a.tokens), len(b.tokens)))
-            return False, (f"{p.prompt_id}: first mismatch at generated token {i}: plain {a.tokens[i:i + 5]} "
-                           f"vs speculative {b.tokens[i:i + 5]}")
-    return True, None
 
 
 def _traces(prompts, token_ids, results) -> list[RequestTrace]:

@@ -225,3 +225,45 @@ def test_speedups_all_below_one_are_explained():
     md = render_markdown(make_report(sweep=fast_enough_draft))
     assert "compute-bound" in md
     assert "Every measured speedup is below 1×" not in render_markdown(make_report())  # one point is 1.4×
+
+
+def test_lossless_check_divergences_and_the_terms_of_c_are_rendered(tmp_path: Path):
+    from eval.lossless import NEAR_TIE
+    from eval.report import DraftCost, Divergence
+
+    sweep = [_point(k, t) for k in (1, 2) for t in (0.0, 0.7)]
+    for p in sweep:
+        p.cost = DraftCost(draft_forwards=40, draft_forward_ms=1.0, plain_steps=60, plain_decode_steps=52,
+                           plain_decode_step_ms=12.5)
+    gaps = [0.1] * 11 + [2.0]
+    divergences = [Divergence(draft="mtp, k=2", prompt_id=f"heldout/{n}", index=n, plain_token=100 + n,
+                              spec_token=200 + n, gap=g, near_tie=g < 0.5) for n, g in enumerate(gaps)]
+    report = make_report(sweep=sweep, lossless=False, lossless_detail="mtp, k=2: heldout/11: generated token 11",
+                         lossless_check=NEAR_TIE.format(dtype="bf16"), near_tie_nats=0.5, greedy_violations=0,
+                         num_divergences=len(divergences), divergences=divergences[-10:])
+    md = render_markdown(report)
+    assert "Check: verify-forward argmax + near-tie divergences (bf16)" in md
+    assert "Greedy violations: 0. Divergences from plain decoding: 12" in md
+    assert "The first 10 of 12 divergences:" in md
+    assert "| mtp, k=2 | heldout/11 | 11 | 111 | 211 | 2.000 | NO |" in md
+    assert "| mtp, k=2 | heldout/2 | 2 | 102 | 202 | 0.100 | yes |" in md
+    assert "**NOT LOSSLESS" in md and "near-tie divergences (bf16)): mtp, k=2: heldout/11" in md
+    assert "0.080 (1.000 ms / 12.500 ms)" in md  # the headline c with its terms
+    assert "| mtp | 2 | 0 | 40 | 1.000 | 52 of 60 | 12.500 | 0.080 |" in md
+    assert load_report(write_report(report, tmp_path, None)["json"]) == report
+
+
+def test_a_report_written_before_the_lossless_check_and_c_terms_still_loads(written: dict[str, Path], tmp_path: Path):
+    data = json.loads(written["json"].read_text())
+    for key in ("lossless_check", "near_tie_nats", "greedy_violations", "num_divergences", "divergences"):
+        data.pop(key)
+    for point in data["sweep"]:
+        for key in ("cost", "greedy_violations", "divergences"):
+            point.pop(key)
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(data))
+    old = load_report(path)
+    assert old.lossless_check is None and old.divergences == [] and old.sweep[0].cost is None
+    md = render_markdown(old)
+    assert "Check: token identity, at temperature 0" in md and "Lossless: yes." in md
+    assert "This report does not record the terms of c." in md

@@ -1,0 +1,114 @@
+"""Wall-clock timing of the eval: plain decoding timed step by step, speculative runs, warm-up, and c.
+
+- **c**, the draft cost ratio = (mean wall time of one batched draft forward in speculative decode steps) /
+  (mean wall time of one plain **decode** step). A plain decode step is one in which every scheduled sequence
+  decodes exactly one token; prefill and mixed steps forward many tokens per sequence, and averaging them in
+  would make the denominator too large, c too small and the expected speedup τ / (1 + k·c) too high.
+- The **measured speedup** is the wall time of the whole plain run over that of the whole speculative run, the
+  same prompts at the same batch size.
+- Every clock reading is preceded by ``synchronize(device)`` (a no-op on CPU), so that work queued on a GPU is
+  charged to the region that queued it. The draft forwards are timed (and synchronized) by the decoder itself.
+- Nothing is timed cold: the first forwards of a process (allocations, kernel selection) are paid by an
+  untimed warm-up, plain decoding once and speculative decoding once per draft.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from eval.report import DraftCost
+from mtp_train.runtime.device import synchronize
+from mtp_train.runtime.engine import Engine, GenerationResult
+from mtp_train.runtime.sampling import SamplingParams
+from mtp_train.runtime.sequence import Sequence
+from mtp_train.runtime.speculative import Drafter, SpecTimings, SpeculativeDecoder
+
+Clock = Callable[[], float]
+OnStep = Callable[[list[Sequence]], None]
+
+WARM_UP_PROMPTS = 2
+"""Prompts of the untimed speculative warm-up of each draft (at each eval temperature)."""
+
+
+def is_decode_step(scheduled: list[tuple[Sequence, list[int]]]) -> bool:
+    """Whether every sequence of a plain step (``Engine.step``'s batch) fed exactly one new token."""
+    return bool(scheduled) and all(len(new) == 1 for _, new in scheduled)
+
+
+@dataclass
+class PlainTiming:
+    """One plain run: its wall time, its steps, and the time and count of its pure decode steps."""
+
+    wall_s: float = 0.0
+    steps: int = 0
+    decode_steps: int = 0
+    decode_s: float = 0.0
+
+    def add_step(self, scheduled: list[tuple[Sequence, list[int]]], seconds: float) -> None:
+        self.steps += 1
+        if is_decode_step(scheduled):
+            self.decode_steps += 1
+            self.decode_s += seconds
+
+    @property
+    def decode_step_s(self) -> float:
+        """Mean wall time of one plain decode step (0.0 when there was none, e.g. every request stopped at once)."""
+        return self.decode_s / self.decode_steps if self.decode_steps else 0.0
+
+
+def draft_cost(spec: SpecTimings, plain: PlainTiming) -> tuple[float, DraftCost]:
+    """c and the record of its terms. With no plain decode step to divide by, c is 0.0 (nothing to compare)."""
+    forward_s = spec.draft_s / spec.draft_forwards if spec.draft_forwards else 0.0
+    c = forward_s / plain.decode_step_s if plain.decode_step_s > 0 else 0.0
+    record = DraftCost(draft_forwards=spec.draft_forwards, draft_forward_ms=round(forward_s * 1e3, 4),
+                       plain_steps=plain.steps, plain_decode_steps=plain.decode_steps,
+                       plain_decode_step_ms=round(plain.decode_step_s * 1e3, 4))
+    return c, record
+
+
+def plain_decode(engine: Engine, prompts: list[list[int]], params: list[SamplingParams],
+                 on_step: OnStep | None = None, clock: Clock = time.perf_counter
+                 ) -> tuple[list[GenerationResult], PlainTiming]:
+    """Plain decoding through the runtime, each step timed on its own; ``on_step`` (progress) is not timed
+    per step but is in the run's wall time, as it is in the speculative run's."""
+    timing = PlainTiming()
+    with torch.inference_mode():
+        synchronize(engine.device)
+        start = clock()
+        scheduler, seqs = engine.start(prompts, params)
+        while not scheduler.done:
+            synchronize(engine.device)
+            t0 = clock()
+            scheduled, _ = engine.step(scheduler)
+            synchronize(engine.device)
+            timing.add_step(scheduled, clock() - t0)
+            if on_step is not None:
+                on_step(seqs)
+        synchronize(engine.device)
+        timing.wall_s = clock() - start
+    return [GenerationResult(s.output, s.stats) for s in seqs], timing
+
+
+def timed_generate(decoder: SpeculativeDecoder, prompts: list[list[int]], params: list[SamplingParams],
+                   on_step: OnStep | None = None, clock: Clock = time.perf_counter
+                   ) -> tuple[list[GenerationResult], float]:
+    """Speculative decoding of ``prompts`` and its wall time."""
+    synchronize(decoder.engine.device)
+    t0 = clock()
+    results = decoder.generate(prompts, params, on_step=on_step)
+    synchronize(decoder.engine.device)
+    return results, clock() - t0
+
+
+def warm_up(engine: Engine, drafter: Drafter, prompts: list[list[int]], k: int, temperatures: list[float]) -> None:
+    """An untimed speculative run of ``prompts[:WARM_UP_PROMPTS]`` at each temperature, long enough for a full
+    chain of ``k`` drafts, so that the draft's first forwards are not charged to a timed sweep point."""
+    few = prompts[:WARM_UP_PROMPTS]
+    batch = [p for _ in temperatures for p in few]
+    params = [SamplingParams(temperature=t, max_new_tokens=k + 2, seed=i)
+              for t in temperatures for i in range(len(few))]
+    SpeculativeDecoder(engine, drafter, k).generate(batch, params)
