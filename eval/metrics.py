@@ -16,6 +16,9 @@ Conventions (the definitions of ``DESIGN.md``, "Evaluation"):
 - **distinct-2** (``distinct2``): distinct bigrams / bigrams, bigrams taken inside each output and the set of
   distinct ones over all outputs. A looping target scores low, and its inflated acceptance should be read
   against this figure.
+- **Mean acceptance length, vLLM's convention** (``engine_acceptance``): 1 + accepted / drafts over the steps that
+  verified a draft, accepted counted before the output was cut (:class:`EngineCounts`); comparable with what vLLM
+  and SGLang print, where τ is not.
 - **Expected speedup** (``expected_speedup``): τ / (1 + k·c), c = mean wall time of one batched draft forward in
   decode steps over that of one plain decode step (:mod:`eval.timing`).
 """
@@ -25,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from eval.report import DraftCost, Group, SweepPoint
+from eval.report import DraftCost, EngineAcceptance, Group, SweepPoint
 
 LENGTH_BUCKETS = ((0, 127, "0-127"), (128, 511, "128-511"), (512, 2047, "512-2047"), (2048, None, "2048+"))
 
@@ -40,10 +43,14 @@ class RequestTrace:
     accepted: list[int] = field(default_factory=list)  # per verification step: draft tokens accepted (0..k)
     emitted: list[int] = field(default_factory=list)  # per verification step: tokens appended (1..accepted+1)
     output: list[int] = field(default_factory=list)  # the generated token ids
+    drafted: list[int] | None = None  # per verification step: draft tokens verified (None: not recorded)
 
     def __post_init__(self) -> None:
         if len(self.accepted) != len(self.emitted):
             raise ValueError(f"{self.prompt_id}: {len(self.accepted)} accepted counts but {len(self.emitted)} emitted")
+        if self.drafted is not None and (len(self.drafted) != len(self.accepted)
+                                         or any(a > d for a, d in zip(self.accepted, self.drafted))):
+            raise ValueError(f"{self.prompt_id}: drafted counts {self.drafted} do not fit accepted {self.accepted}")
         for s, (a, e) in enumerate(zip(self.accepted, self.emitted)):
             if a < 0 or not 1 <= e <= a + 1:
                 raise ValueError(f"{self.prompt_id}: step {s} accepted {a} and emitted {e}; "
@@ -84,6 +91,43 @@ def alpha(traces: Iterable[RequestTrace], k: int) -> tuple[list[float], list[flo
     conditional = [at_least[j] / at_least[j - 1] if at_least[j - 1] else 0.0 for j in range(1, k + 1)]
     unconditional = [at_least[j] / steps if steps else 0.0 for j in range(1, k + 1)]
     return conditional, unconditional
+
+
+@dataclass
+class EngineCounts:
+    """Acceptance as vLLM counts it (``../shared/EXPORT.md`` section 5), over the verification steps that verified
+    at least one draft token: ``drafts`` such steps, ``draft_tokens`` verified in all, ``accepted`` draft tokens
+    accepted (before a stop token or ``max_new_tokens`` cut the output), ``accepted_per_position[i]`` the steps
+    that accepted position i + 1. Its mean acceptance length ``1 + accepted / drafts`` (bonus included) is
+    vLLM's and, for chain drafting, SGLang's ``accept len``; the report's τ (tokens kept per verification step)
+    differs from it where an output ends inside a step, and at the last steps where this runtime drafts fewer
+    than k tokens so as not to pass ``max_new_tokens``."""
+
+    drafts: int
+    draft_tokens: int
+    accepted: int
+    accepted_per_position: list[int]
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1 + self.accepted / self.drafts if self.drafts else 0.0
+
+
+def engine_counts(traces: Iterable[RequestTrace], k: int) -> EngineCounts | None:
+    """The vLLM-convention counts of ``traces`` (``None`` when a trace did not record its drafted counts)."""
+    traces = list(traces)
+    if any(t.drafted is None for t in traces):
+        return None
+    drafts = tokens = accepted = 0
+    per_position = [0] * k
+    for t in traces:
+        for a, d in zip(t.accepted, t.drafted):
+            if d == 0:
+                continue
+            drafts, tokens, accepted = drafts + 1, tokens + d, accepted + a
+            for i in range(a):
+                per_position[i] += 1
+    return EngineCounts(drafts, tokens, accepted, per_position)
 
 
 def distinct2(outputs: Iterable[Iterable[int]]) -> float:
@@ -156,6 +200,7 @@ def sweep_point(k: int, temperature: float, traces: list[RequestTrace], c: float
     terms of ``c`` (``cost``) and, at T = 0, what the lossless check found."""
     tau = pooled_tau(traces)
     cond, uncond = alpha(traces, k)
+    counts = engine_counts(traces, k)
     return SweepPoint(
         k=k, temperature=temperature, tau=round(tau, 4), alpha=[round(a, 4) for a in cond],
         alpha_unconditional=[round(a, 4) for a in uncond], draft_cost_ratio=round(c, 4),
@@ -166,4 +211,8 @@ def sweep_point(k: int, temperature: float, traces: list[RequestTrace], c: float
         by_length={name: _group(g, k) for name, g in group_by(traces, "length_bucket").items()},
         by_prompt_set={name: _group(g, k) for name, g in group_by(traces, _prompt_set).items()},
         cost=cost, greedy_violations=greedy_violations, divergences=divergences,
+        engine_acceptance=None if counts is None else EngineAcceptance(
+            mean_acceptance_length=round(counts.mean_acceptance_length, 4), drafts=counts.drafts,
+            draft_tokens=counts.draft_tokens, accepted=counts.accepted,
+            accepted_per_position=counts.accepted_per_position),
     )

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from eval.diagnosis import diagnosis_blocks, speedup_note
+from eval.engine_check import engine_check_blocks, engine_mal_cell
 from eval.lossless import lossless_blocks
 from eval.plots import PLOTS, bucket_order, render_plots
 from eval.report import (
@@ -128,6 +129,7 @@ def _sections(report: Report) -> list[tuple[str, list[tuple]]]:
         ["mode", r.mode],
         ["headline setting", setting],
         ["τ (tokens per target step, bonus included)", _num(r.tau)],
+        ["engine MAL: vLLM's mean acceptance length, 1 + accepted / drafts", engine_mal_cell(r)],
         ["draft cost ratio c (one draft forward / one plain decode step)",
          _num(r.draft_cost_ratio, 3) + _cost_terms(r)],
         ["expected speedup τ / (1 + k·c)", _num(r.expected_speedup, 2, "×")],
@@ -136,6 +138,7 @@ def _sections(report: Report) -> list[tuple[str, list[tuple]]]:
         ["lossless (every T=0 sweep point)", _lossless_cell(r.lossless) + (" (no T=0 sweep point)"
                                                                            if r.lossless is None else "")],
         ["validation vs trainer", "MISMATCH" if r.val_mismatch else "agree within tolerance"],
+        *([["serving conventions", f"{r.head_convention}. {r.serving or ''}".strip()]] if r.head_convention else []),
     ]))
     note = speedup_note(r.sweep)
     if note is not None:
@@ -163,15 +166,20 @@ def _sections(report: Report) -> list[tuple[str, list[tuple]]]:
     rows = [
         [str(p.k), f"{p.temperature:g}", _num(p.tau), _alphas(p.alpha), _num(p.draft_cost_ratio, 3),
          _num(p.expected_speedup, 2, "×"), _num(p.measured_speedup, 2, "×"), _num(p.distinct2, 3),
-         _lossless_cell(p.lossless), str(p.num_prompts), str(p.num_steps), str(p.generated_tokens)]
+         _lossless_cell(p.lossless), str(p.num_prompts), str(p.num_steps), str(p.generated_tokens),
+         "—" if p.engine_acceptance is None else _num(p.engine_acceptance.mean_acceptance_length)]
         for p in sorted(r.sweep, key=lambda p: (p.temperature, p.k))
     ]
     sections.append(("Sweep over k and temperature", [
-        ("p", "Lossless is checked token for token at T=0 only (n/a otherwise)."),
+        ("p", "Lossless is checked at T=0 only (n/a otherwise). Engine MAL is vLLM's mean acceptance length, "
+              "1 + accepted / drafts over the steps that verified drafts, accepted counted before a stop token or "
+              "the length limit cut the output: compare it, not τ, with what vLLM or SGLang print."),
         ("table", ["k", "T", "τ", "α_j conditional", "c", "expected speedup", "measured speedup", "distinct-2",
-                   "lossless", "prompts", "steps", "tokens"], rows),
+                   "lossless", "prompts", "steps", "tokens", "engine MAL"], rows),
         ("img", "tau_by_k"),
     ]))
+    if r.engine_checks:
+        sections.append(("Served by an engine", engine_check_blocks(r)))
     sections.append(("Draft cost c: what it was computed from", _cost_blocks(r)))
 
     sections.append((f"τ by prompt category ({setting})", [

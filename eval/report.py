@@ -33,6 +33,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from eval.diagnosis import Diagnosis
+from eval.records import DraftCost, Divergence, EngineAcceptance, EngineCheck
 from mtp_train.errors import UserError
 
 SCHEMA_VERSION = 1
@@ -45,7 +46,9 @@ REL_RISE_LOSS = 0.02
 """Relative rise of validation loss that counts as a regression."""
 
 TAU_CONVENTION = (
-    "τ counts tokens emitted per target verification step, bonus token included; plain decoding has τ = 1."
+    "τ counts tokens emitted per target verification step, bonus token included; plain decoding has τ = 1. "
+    "vLLM's mean acceptance length (and SGLang's accept length) is another count of the same run, "
+    "1 + accepted / drafts, given beside τ as “engine MAL”."
 )
 
 FILES = {"json": "report.json", "md": "report.md", "html": "report.html"}
@@ -61,6 +64,8 @@ __all__ = [
     "Comparison",
     "DraftCost",
     "Divergence",
+    "EngineAcceptance",
+    "EngineCheck",
     "Group",
     "Report",
     "Sample",
@@ -84,37 +89,10 @@ class Group(BaseModel):
     """Verify steps in the slice, so that slices can be pooled (α₁ is accepted first drafts / steps)."""
 
 
-class DraftCost(BaseModel):
-    """The terms of c = ``draft_forward_ms`` / ``plain_decode_step_ms``, so that a reader can check it."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    draft_forwards: int
-    """Batched draft forwards in speculative decode steps (chain forwards and re-syncs), the numerator's count."""
-    draft_forward_ms: float
-    plain_steps: int
-    """Every step of the plain run at the same temperature (its wall time is the measured speedup's numerator)."""
-    plain_decode_steps: int
-    """The plain steps in which every scheduled sequence decoded exactly one token: the denominator's count."""
-    plain_decode_step_ms: float
 
 
-class Divergence(BaseModel):
-    """Where a T = 0 speculative output first differs from plain decoding of the same prompt."""
 
-    model_config = ConfigDict(extra="forbid")
 
-    draft: str
-    """The draft and its k, e.g. ``mtp, k=2``."""
-    prompt_id: str
-    index: int
-    """The generated token at which the outputs first differ (0 = the first generated token)."""
-    plain_token: int | None
-    spec_token: int | None
-    """``None`` where that output ended before ``index``."""
-    gap: float | None
-    """Target log-prob of its top-1 minus its top-2 there, in nats; ``None`` when the two tokens are not its top-2."""
-    near_tie: bool
 
 
 class SweepPoint(BaseModel):
@@ -143,6 +121,8 @@ class SweepPoint(BaseModel):
     """At T = 0: emitted tokens that differ from the target's argmax in the verify forward that decided them."""
     divergences: int | None = None
     """At T = 0: prompts whose speculative output differs from plain decoding (near-ties included)."""
+    engine_acceptance: EngineAcceptance | None = None
+    """The same run counted as vLLM counts it; ``None`` in reports that predate it."""
 
 
 class Sample(BaseModel):
@@ -177,6 +157,8 @@ class BaselineDiff(BaseModel):
     regressions: list[str]
     notes: list[str] = Field(default_factory=list)
     """Differences that make the comparison less direct (another headline setting, fewer steps)."""
+
+
 
 
 class Report(BaseModel):
@@ -221,6 +203,11 @@ class Report(BaseModel):
     sweep: list[SweepPoint]
     comparisons: list[Comparison] = Field(default_factory=list)
     samples: list[Sample] = Field(default_factory=list)
+    head_convention: str | None = None
+    """The head's serving convention and what it means, e.g. ``native: reads the target's hidden state ...``."""
+    serving: str | None = None
+    """Where the head can be served as it was trained (:func:`mtp_train.heads.conventions.validity_line`)."""
+    engine_checks: list[EngineCheck] = Field(default_factory=list)
     mode: str
     settings: dict[str, Any]
     versions: dict[str, str]

@@ -32,12 +32,13 @@ from eval.report import FILES, Comparison, SweepPoint, load_report
 from eval.samples import pick_samples
 from eval.timing import draft_cost, plain_decode, timed_generate, warm_up
 from mtp_train.errors import UserError
+from mtp_train.heads.conventions import validity_line
 from mtp_train.progress import Progress
 from mtp_train.recipe import Recipe
 from mtp_train.runtime.engine import Engine
 from mtp_train.runtime.sampling import SamplingParams
 from mtp_train.runtime.sequence import Sequence, Status
-from mtp_train.runtime.speculative import Drafter, SpeculativeDecoder
+from mtp_train.runtime.speculative import Drafter, HeadDrafter, SpeculativeDecoder
 from mtp_train.threads import set_threads, warn_if_oversubscribed
 from precompute.manifest import target_fingerprint, text_fingerprint
 
@@ -102,7 +103,7 @@ def run_eval(recipe: Recipe, baseline: Path | None = None) -> Path:
     engine, drafter, head_validation = _load(recipe)
     mode = drafter.name  # draft_target, mtp or eagle
     leader = engine.tp.is_leader  # under TP every rank decodes; the leader drafts, decides and writes
-    prompts, token_ids, skipped, tokenizer = _prompts(recipe, engine)
+    prompts, token_ids, skipped, tokenizer = eval_prompts(recipe, engine)
     e = recipe.eval
     others = {name: _load_other(recipe, engine, name) for name in e.compare}
     if leader:
@@ -139,6 +140,10 @@ def run_eval(recipe: Recipe, baseline: Path | None = None) -> Path:
     report.comparisons = comparisons
     for name, value in verdict.items():
         setattr(report, name, value)
+    if isinstance(drafter, HeadDrafter):
+        spec = drafter.head.spec
+        report.head_convention = f"{spec.convention}: {spec.choices.describe()}"
+        report.serving = validity_line(spec.kind, spec.choices, engine.cfg.family)
     reference = [r.tokens for r in plain[report.temperature][1]]
     report.samples = pick_samples(prompts, replies[report.k, report.temperature], reference, tokenizer,
                                   compared=report.temperature == 0)
@@ -177,7 +182,7 @@ def _baseline(recipe: Recipe, given: Path | None) -> Path | None:
     return path
 
 
-def _trained_head(recipe: Recipe, root: Path, engine: Engine):
+def trained_head(recipe: Recipe, root: Path, engine: Engine):
     """The head in ``root``, refused when it was trained for another target than the recipe's."""
     from mtp_train.train.checkpoint import load_head
 
@@ -191,7 +196,7 @@ def _trained_head(recipe: Recipe, root: Path, engine: Engine):
 def _load(recipe: Recipe) -> tuple[Engine, Drafter, Any]:
     from mtp_train.models.checkpoint import load_transformer
     from mtp_train.runtime.device import default_device, resolve_dtype
-    from mtp_train.runtime.speculative import DraftModelDrafter, HeadDrafter
+    from mtp_train.runtime.speculative import DraftModelDrafter
     from mtp_train.models.tp import init_tensor_parallel
 
     device = default_device()
@@ -207,7 +212,7 @@ def _load(recipe: Recipe) -> tuple[Engine, Drafter, Any]:
     from precompute.reader import FeatureReader
 
     root = head_dir(recipe)
-    head = _trained_head(recipe, root, engine)
+    head = trained_head(recipe, root, engine)
     drafter = HeadDrafter(engine, head)
     trainer_numbers = json.loads((root / "config.json").read_text()).get("validation", {})
     reader = FeatureReader(recipe.features_dir, target=recipe.target.path)  # its shards checked now, read at the end
@@ -221,7 +226,7 @@ def _load(recipe: Recipe) -> tuple[Engine, Drafter, Any]:
     return engine, drafter, head_validation
 
 
-def _prompts(recipe: Recipe, engine: Engine) -> tuple[list[EvalPrompt], list[list[int]], int, Any]:
+def eval_prompts(recipe: Recipe, engine: Engine) -> tuple[list[EvalPrompt], list[list[int]], int, Any]:
     """The prompts that fit the target's positions, their token ids, how many did not fit, the tokenizer."""
     from precompute.tokenizer import load_tokenizer
 
@@ -278,12 +283,12 @@ def _load_other(recipe: Recipe, engine: Engine, name: str):
     root = recipe.output_dir / "heads" / name
     if not (root / "model.safetensors").is_file():
         raise UserError(f"eval.compare: no trained {name!r} head in {root}; run `mtp-train train` with it first")
-    return _trained_head(recipe, root, engine)
+    return trained_head(recipe, root, engine)
 
 
 def _other_drafter(engine: Engine, name: str, loaded) -> Drafter:
     """A comparison draft from what ``_load_other`` loaded."""
-    from mtp_train.runtime.speculative import BigramDrafter, HeadDrafter
+    from mtp_train.runtime.speculative import BigramDrafter
 
     return BigramDrafter(engine, loaded) if name == "bigram" else HeadDrafter(engine, loaded)
 
@@ -312,7 +317,7 @@ def _sweep(engine: Engine, drafter: Drafter, prompts, token_ids, plain: dict, ks
                                        reference, results, decoder.greedy_violations)
                 checks.append(check)
             c, cost = draft_cost(decoder.timings, timing)
-            point = sweep_point(k, temperature, _traces(prompts, token_ids, results), c, timing.wall_s / spec_s,
+            point = sweep_point(k, temperature, request_traces(prompts, token_ids, results), c, timing.wall_s / spec_s,
                                 None if check is None else check.lossless, cost=cost,
                                 greedy_violations=None if check is None else check.greedy_violations,
                                 divergences=None if check is None else len(check.divergences))
@@ -332,6 +337,7 @@ def _advance(progress: Progress, seqs: list[Sequence]) -> None:
     progress.update(finished - progress.done, sum(len(s.output) for s in seqs) - progress.tokens)
 
 
-def _traces(prompts, token_ids, results) -> list[RequestTrace]:
-    return [RequestTrace(p.prompt_id, p.category, len(ids), r.stats.accepted, r.stats.emitted, r.tokens)
+def request_traces(prompts, token_ids, results) -> list[RequestTrace]:
+    return [RequestTrace(p.prompt_id, p.category, len(ids), r.stats.accepted, r.stats.emitted, r.tokens,
+                         r.stats.drafted)
             for p, ids, r in zip(prompts, token_ids, results)]

@@ -104,7 +104,7 @@ class _FlashLikeAttention:
 def head_activation_bytes_per_token(recipe: Recipe, cfg: ModelConfig) -> int:
     """Bytes autograd saves per token for one unrolled step of the head, counted on the meta device."""
     tokens = 1024
-    spec = head_spec(recipe.head.kind, recipe.head.num_layers, cfg, "plan")
+    spec = head_spec(recipe.head.kind, recipe.head.num_layers, cfg, "plan", recipe.head.convention)
     with torch.device("meta"):
         head = build_head(spec)
         embeds, hidden = torch.empty(tokens, cfg.hidden_size), torch.empty(tokens, cfg.hidden_size)
@@ -139,7 +139,7 @@ def memory_plan(cfg: ModelConfig, recipe: Recipe, gpu_bytes: int = H100_BYTES) -
                         runtime_note)
 
     tr = recipe.train
-    spec = head_spec(recipe.head.kind, recipe.head.num_layers, cfg, "plan")
+    spec = head_spec(recipe.head.kind, recipe.head.num_layers, cfg, "plan", recipe.head.convention)
     with torch.device("meta"):
         head_params = sum(p.numel() for p in build_head(spec).parameters())
     zero = TRAIN_RANKS if tr.engine == "deepspeed" else 1

@@ -150,6 +150,14 @@ class HeadConfig(Section):
         "Applies to `mtp` heads only: an `eagle` head always starts random, because its output feeds the lm_head "
         "with no final norm, and a copied last layer writes pre-norm-scale values into it (it diverges).",
     )
+    convention: Literal["native", "vllm", "sglang"] = Field(
+        "native", description="Serving convention the head is trained in, followed by the trainer, the runtime's "
+        "drafting and the eval, and written into its `config.json`: which target hidden state it reads (before or "
+        "after the final norm), which state a chained step feeds back, and whether the embedding is zeroed at "
+        "position 0. `native`: `mtp` reads the pre-norm state and feeds back its raw output, zeroing position 0. "
+        "`vllm`/`sglang`: as vLLM's/SGLang's DeepSeek MTP (post-norm state, `shared_head.norm` output fed back; "
+        "only vLLM zeroes position 0). `eagle` heads are the same under all three (post-norm state, raw output).",
+    )
 
 
 class TrainConfig(Section):

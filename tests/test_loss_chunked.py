@@ -18,11 +18,11 @@ VOCAB, HIDDEN, K = 96, 32, 8
 DOCS = [9, 5, 14, 3, 2, 11, 7]  # short documents run out of rows at later unrolled steps
 
 
-def _setup(kind: str, seed: int = 0) -> tuple[torch.nn.Module, FrozenTarget, Batch]:
+def _setup(kind: str, seed: int = 0, convention: str = "native") -> tuple[torch.nn.Module, FrozenTarget, Batch]:
     """A tiny head, frozen target and packed batch, fp32 on the CPU."""
     cfg = ModelConfig("llama", VOCAB, HIDDEN, 48, 1, 4, 2, 8, 1e-6, 128)
     torch.manual_seed(seed)
-    head = build_head(head_spec(kind, 1, cfg, "fp"))
+    head = build_head(head_spec(kind, 1, cfg, "fp", convention))
     frozen = FrozenTarget(cfg, torch.randn(VOCAB, HIDDEN), 1 + 0.1 * torch.randn(HIDDEN), torch.randn(VOCAB, HIDDEN))
     n = sum(DOCS)
     cu = [0]
@@ -64,13 +64,16 @@ def _reference_loss(head, frozen, batch: Batch, weights: LossWeights) -> tuple[t
         starts = torch.tensor(batch.cu_seqlens[:-1]).repeat_interleave(torch.tensor(step_cu[1:]) - torch.tensor(step_cu[:-1]))
         positions = rows - starts + j
         out = head(frozen.embed(batch.tokens[rows + 1 + j]), hidden_in, positions, step_cu)
+        # What the next step reads, and what is matched to the target's hidden: an mtp head in the vllm/sglang
+        # conventions feeds back its output after shared_head.norm, every other head its raw output.
+        fed = head.shared_head.norm(out) if head.spec.feedback == "head_norm" else out
         mask = batch.loss_mask[rows + 2 + j]
-        prev_out, prev_cu = out, step_cu
+        prev_out, prev_cu = fed, step_cu
         if int(mask.sum()) == 0:
             corrects.append(0)
             continue
         target_rows = rows[mask] + 1 + j
-        sl1 = F.smooth_l1_loss(out[mask], hidden_side[target_rows], reduction="none").mean(-1)
+        sl1 = F.smooth_l1_loss(fed[mask], hidden_side[target_rows], reduction="none").mean(-1)
         draft_logp = torch.log_softmax(frozen.logits(head.lm_head_input(out[mask])), dim=-1)
         if weights.teacher == "exact":
             target_logp = torch.log_softmax(frozen.logits(frozen.final_norm(batch.hidden[target_rows])), dim=-1)
@@ -96,11 +99,12 @@ def _loss_and_grads(fn, head, frozen, batch, weights):
 @pytest.mark.parametrize("chunk_bytes", [None, VOCAB * 4 * 5], ids=["one_chunk", "rows_of_5"])
 @pytest.mark.parametrize("unroll", [1, 3])
 @pytest.mark.parametrize("teacher", ["topk", "exact"])
-@pytest.mark.parametrize("kind", ["mtp", "eagle"])
-def test_chunked_loss_and_gradients_match_the_unchunked_formula(kind, teacher, unroll, chunk_bytes, monkeypatch):
+@pytest.mark.parametrize("kind, convention", [("mtp", "native"), ("mtp", "vllm"), ("mtp", "sglang"), ("eagle", "native")])
+def test_chunked_loss_and_gradients_match_the_unchunked_formula(kind, convention, teacher, unroll, chunk_bytes,
+                                                                monkeypatch):
     if chunk_bytes:
         monkeypatch.setattr(loss_mod, "CHUNK_BYTES", chunk_bytes)
-    head, frozen, batch = _setup(kind)
+    head, frozen, batch = _setup(kind, convention=convention)
     weights = LossWeights(w_hidden=0.5, w_logits=1.0, unroll=unroll, decay=0.8, teacher=teacher)
     ref, ref_correct, ref_grads = _loss_and_grads(_reference_loss, head, frozen, batch, weights)
     got, metrics, grads = _loss_and_grads(head_loss, head, frozen, batch, weights)

@@ -18,6 +18,7 @@ from torch import nn
 
 from mtp_train.errors import UserError
 from mtp_train.heads.attention import DocumentCausalAttention
+from mtp_train.heads.conventions import Choices, choices
 from mtp_train.models.config import ModelConfig, RopeConfig
 from mtp_train.models.rope import RotaryEmbedding
 from mtp_train.models.tp import TensorParallel
@@ -32,8 +33,11 @@ class HeadSpec:
 
     ``target`` holds the target's shapes, RoPE settings and maximum positions, which the head's
     decoder layer inherits. ``hidden_input`` says which side of the target's final norm the head
-    consumes (and predicts); ``zero_embed_at_position0`` zeroes the token embedding at a document's
-    first position, as vLLM's DeepSeek MTP forward does.
+    consumes (and predicts); ``feedback`` which state a chained step feeds back (``output``, or
+    ``head_norm``: after the head's final norm); ``zero_embed_at_position0`` zeroes the token embedding
+    at a document's first position, as vLLM's DeepSeek MTP forward does. ``convention`` names the
+    serving convention these three came from (:mod:`mtp_train.heads.conventions`); heads saved before
+    it existed load as ``native`` with ``output`` feedback, which is what they were trained with.
     """
 
     kind: str
@@ -42,6 +46,12 @@ class HeadSpec:
     target_fingerprint: str
     hidden_input: str
     zero_embed_at_position0: bool
+    feedback: str = "output"
+    convention: str = "native"
+
+    @property
+    def choices(self) -> Choices:
+        return Choices(self.hidden_input, self.feedback, self.zero_embed_at_position0)
 
     def to_json(self) -> dict:
         return {"architectures": [HEADS[self.kind].__name__], "head_kind": self.kind, **dataclasses.asdict(self)}
@@ -51,19 +61,23 @@ class HeadSpec:
         try:
             target = dict(data["target"])
             target["rope"] = RopeConfig(**target["rope"])
-            return cls(data["kind"], int(data["num_layers"]), ModelConfig(**target), data["target_fingerprint"],
-                       data["hidden_input"], bool(data["zero_embed_at_position0"]))
+            spec = cls(data["kind"], int(data["num_layers"]), ModelConfig(**target), data["target_fingerprint"],
+                       data["hidden_input"], bool(data["zero_embed_at_position0"]), data.get("feedback", "output"),
+                       data.get("convention", "native"))
         except KeyError as e:
             raise UserError(f"{source}: not a head config (no {e.args[0]!r} field)") from None
         except (TypeError, ValueError) as e:
             raise UserError(f"{source}: not a head config ({str(e)[:160]})") from None
+        if spec.hidden_input not in ("pre_norm", "post_norm") or spec.feedback not in ("output", "head_norm"):
+            raise UserError(f"{source}: hidden_input {spec.hidden_input!r} / feedback {spec.feedback!r} are not "
+                            "conventions this toolkit knows; train the head again")
+        return spec
 
 
 class DraftHead(nn.Module):
     """Base of every head: decoder layer(s) of the target's family over packed documents."""
 
     kind: ClassVar[str]
-    hidden_input: ClassVar[str]  # "pre_norm" or "post_norm" side of the target's final norm
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -84,6 +98,11 @@ class DraftHead(nn.Module):
         """The head's output hidden ``[T, H]`` -> what the frozen lm_head is applied to."""
         raise NotImplementedError
 
+    def feedback_state(self, out: torch.Tensor) -> torch.Tensor:
+        """The head's output hidden ``[T, H]`` -> the hidden input of the next chained step (``spec.feedback``),
+        which training matches to the target's hidden on the side the head reads."""
+        return self.lm_head_input(out) if self.spec.feedback == "head_norm" else out
+
     def forward(
         self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cu_seqlens: list[int]
     ) -> torch.Tensor:
@@ -102,11 +121,13 @@ class DraftHead(nn.Module):
         return x
 
 
-def head_spec(kind: str, num_layers: int, target: ModelConfig, fingerprint: str) -> HeadSpec:
+def head_spec(kind: str, num_layers: int, target: ModelConfig, fingerprint: str,
+              convention: str = "native") -> HeadSpec:
     if kind not in HEADS:
         raise UserError(f"head.kind: {kind!r} is not a head; choose one of {sorted(HEADS)}")
-    cls = HEADS[kind]
-    return HeadSpec(kind, num_layers, target, fingerprint, cls.hidden_input, kind == "mtp")
+    c = choices(kind, convention)
+    return HeadSpec(kind, num_layers, target, fingerprint, c.hidden_input, c.zero_embed_at_position0, c.feedback,
+                    convention)
 
 
 def build_head(spec: HeadSpec) -> DraftHead:

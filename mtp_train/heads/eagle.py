@@ -16,7 +16,6 @@ from mtp_train.heads.base import DraftHead, HeadSpec
 
 class EagleHead(DraftHead):
     kind = "eagle"
-    hidden_input = "post_norm"
 
     def __init__(self, spec: HeadSpec) -> None:
         super().__init__(spec)

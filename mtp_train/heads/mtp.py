@@ -2,8 +2,10 @@
 
 ``enorm(embed(t_{i+1}))`` and ``hnorm(h_i)`` are concatenated and projected by ``eh_proj``,
 then run through decoder layer(s) of the target's family (with both of their norms); the frozen
-lm_head reads ``shared_head.norm`` of the output. It consumes the target's hidden state **before**
-the final norm, and its output (also pre-norm) is what the next unrolled step consumes as h.
+lm_head reads ``shared_head.norm`` of the output. In the ``native`` convention it consumes the
+target's hidden state **before** the final norm, and its raw output is what the next unrolled step
+consumes as h; the ``vllm`` and ``sglang`` conventions read the state after the final norm and feed
+back ``shared_head.norm`` of the output, as those engines do (:mod:`mtp_train.heads.conventions`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ class SharedHead(nn.Module):
 
 class MTPHead(DraftHead):
     kind = "mtp"
-    hidden_input = "pre_norm"
 
     def __init__(self, spec: HeadSpec) -> None:
         super().__init__(spec)

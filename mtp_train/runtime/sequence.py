@@ -28,6 +28,7 @@ class RequestStats:
     preemptions: int = 0
     accepted: list[int] = field(default_factory=list)  # per speculative verification: draft tokens accepted
     emitted: list[int] = field(default_factory=list)  # per speculative verification: tokens appended
+    drafted: list[int] = field(default_factory=list)  # per speculative verification: draft tokens verified (<= k)
     finish_reason: str = ""
     first_token_s: float = 0.0
     total_s: float = 0.0

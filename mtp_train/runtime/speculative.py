@@ -16,7 +16,8 @@ Between steps, for a running sequence with n tokens:
 - a **draft model** holds K/V for 0..n-1 and carries the logits that predict t_n;
 - an **MTP head** holds K/V for 0..n-2 (its position i read the target's h_i and the token t_{i+1}:
   the token buffer is shifted one step left of the hidden states), carries the logits that predict t_n,
-  and carries its output at n-2, which the chain feeds back as the next h.
+  and carries its state at n-2 that the chain feeds back as the next h (its output, or its output after
+  its final norm: the head's ``feedback`` convention).
 
 Under tensor parallelism the draft and the acceptance run on the leader rank; the other ranks receive
 the drafts and the decisions by broadcast and keep identical page bookkeeping.
@@ -97,6 +98,10 @@ class Drafter:
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def feedback(self, out: torch.Tensor) -> torch.Tensor:
+        """The output hidden ``[T, H]`` -> what the next chained forward reads (a head's ``feedback_state``)."""
+        return out
+
     def forward(self, feeds: list[Feed]) -> None:
         """Run ``feeds`` (pages already reserved) and carry each one's logits and hidden at its last position."""
         if not feeds or not self.leader:
@@ -106,9 +111,9 @@ class Drafter:
         hidden = torch.cat([f.hidden for f in feeds]) if feeds[0].hidden is not None else None
         out = self.run(meta.tokens, meta.positions, hidden, self.backend.plan(meta, *self.heads))
         last = out[meta.last_token_index]
-        logits = self.logits(last)
+        logits, fed_back = self.logits(last), self.feedback(last)
         for i, f in enumerate(feeds):
-            self.carried[f.seq.request_id] = (logits[i], last[i])
+            self.carried[f.seq.request_id] = (logits[i], fed_back[i])
 
 
 class TokenDrafter(Drafter):
@@ -177,6 +182,9 @@ class HeadDrafter(Drafter):
 
     def logits(self, out):
         return self.target.output(self.head.lm_head_input(out)).float()
+
+    def feedback(self, out):
+        return self.head.feedback_state(out)
 
 
 class BigramDrafter(TokenDrafter):
@@ -295,8 +303,10 @@ class SpeculativeDecoder:
     # -- speculative decode steps ------------------------------------------------------------------------
 
     def _k_for(self, seq: Sequence) -> int:
-        left = min(seq.params.max_new_tokens - len(seq.output), self.engine.cfg.max_positions - len(seq.tokens))
-        return max(0, min(self.k, left - 1))
+        """Drafts for ``seq`` this step: k, fewer only where the target's positions run out. Like vLLM, the last
+        steps of a request draft k even when fewer tokens are left to emit (the output is cut after acceptance),
+        so that a batch drafts one k and acceptance is counted alike (``stats.accepted``, ``stats.drafted``)."""
+        return max(0, min(self.k, self.engine.cfg.max_positions - len(seq.tokens) - 1))
 
     def _reserve(self, scheduler: Scheduler) -> list[tuple[Sequence, int]]:
         """Pages for k+1 target and draft positions per running sequence; preempts from the back when short."""
@@ -377,6 +387,7 @@ class SpeculativeDecoder:
             seq.stats.forward_steps += 1
             seq.stats.accepted.append(a)
             seq.stats.emitted.append(emitted)
+            seq.stats.drafted.append(len(drafts[b]))
             if seq.status is Status.FINISHED:
                 scheduler.retire(seq)
                 continue

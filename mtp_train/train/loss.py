@@ -1,9 +1,10 @@
 """The head's training objective over packed documents, with unrolled steps.
 
 Step j (0-based) at document position i reads the token t_{i+1+j} and a hidden input: the
-target's h_i for j = 0, else the head's own step j-1 output at position i (as chained drafting
-does at inference). It predicts t_{i+2+j}, so it is matched to the target's hidden h_{i+1+j}
-(SmoothL1, on the side of the final norm the head works on) and to the target's distribution of
+target's h_i for j = 0 (on the side of the final norm the head reads), else the head's own step
+j-1 state at position i as chained drafting feeds it back (``DraftHead.feedback_state``: its output,
+or its output after its final norm). It predicts t_{i+2+j}, so that fed-back state is matched to the
+target's hidden h_{i+1+j} (SmoothL1, on the side the head reads) and to the target's distribution of
 t_{i+2+j} (KL(target || draft)). Only positions whose label token has ``loss_mask == 1`` count;
 labels never cross a document boundary. Step j's loss is weighted by ``decay**j``.
 
@@ -148,14 +149,15 @@ def head_loss(
             hidden_in = prev_out[_ragged_arange(prev_cu[:-1], counts, device)]
         positions = _ragged_arange([j] * len(counts), counts, device)
         out = forward(frozen.embed(batch.tokens[rows + 1 + j]), hidden_in, positions, step_cu)
+        fed_back = head.feedback_state(out)  # what the next step reads, as chained drafting feeds it
         mask = batch.loss_mask[rows + 2 + j]
         count = int(mask.sum())
-        prev_out, prev_cu = out, step_cu
+        prev_out, prev_cu = fed_back, step_cu
         if count == 0:
             metrics.append(StepMetrics(out.new_zeros(()), 0, 0))
             continue
         target_rows = rows[mask] + 1 + j
-        sl1 = F.smooth_l1_loss(out[mask], hidden_side[target_rows], reduction="none").mean(-1)
+        sl1 = F.smooth_l1_loss(fed_back[mask], hidden_side[target_rows], reduction="none").mean(-1)
         exact = weights.teacher == "exact"
         teacher = [batch.hidden[target_rows]] if exact else [
             batch.topk_logprobs[target_rows], batch.topk_ids[target_rows], batch.tail_logprob[target_rows]]

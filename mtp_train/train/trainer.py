@@ -181,7 +181,8 @@ def run_train(recipe: Recipe) -> Path:
     frozen = FrozenTarget.load(recipe.target.path)
     if reader.manifest.layers[-1] != frozen.cfg.num_layers - 1:
         raise UserError(f"{recipe.features_dir}: the last stored layer must be the target's last layer")
-    spec = head_spec(recipe.head.kind, recipe.head.num_layers, frozen.cfg, reader.manifest.fingerprint["target"])
+    spec = head_spec(recipe.head.kind, recipe.head.num_layers, frozen.cfg, reader.manifest.fingerprint["target"],
+                     recipe.head.convention)
     train_key = text_fingerprint(json.dumps(
         {"recipe_train": recipe.train.model_dump(mode="json"), "head": recipe.head.model_dump(mode="json"),
          "seed": recipe.seed, "features": reader.manifest.fingerprint}, sort_keys=True))
@@ -191,7 +192,7 @@ def run_train(recipe: Recipe) -> Path:
 
     torch.manual_seed(recipe.seed)
     head = build_head(spec)
-    if recipe.head.init == "target_last_layer" and spec.hidden_input == "pre_norm":  # not eagle: see HeadConfig.init
+    if recipe.head.init == "target_last_layer" and spec.kind == "mtp":  # not eagle: see HeadConfig.init
         state = read_layer(recipe.target.path, frozen.cfg.num_layers - 1, list(_layer_suffixes(head)))
         for layer in head.layers:
             layer.load_state_dict({k: v for k, v in state.items() if k in layer.state_dict()}, strict=False)

@@ -1,0 +1,78 @@
+"""Measurement records of the report (``report.json``): the terms of c, lossless divergences, acceptance counted as
+vLLM counts it, and a serving engine's check. :mod:`eval.report` holds the report that carries them."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+class DraftCost(BaseModel):
+    """The terms of c = ``draft_forward_ms`` / ``plain_decode_step_ms``, so that a reader can check it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    draft_forwards: int
+    """Batched draft forwards in speculative decode steps (chain forwards and re-syncs), the numerator's count."""
+    draft_forward_ms: float
+    plain_steps: int
+    """Every step of the plain run at the same temperature (its wall time is the measured speedup's numerator)."""
+    plain_decode_steps: int
+    """The plain steps in which every scheduled sequence decoded exactly one token: the denominator's count."""
+    plain_decode_step_ms: float
+
+
+class Divergence(BaseModel):
+    """Where a T = 0 speculative output first differs from plain decoding of the same prompt."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    draft: str
+    """The draft and its k, e.g. ``mtp, k=2``."""
+    prompt_id: str
+    index: int
+    """The generated token at which the outputs first differ (0 = the first generated token)."""
+    plain_token: int | None
+    spec_token: int | None
+    """``None`` where that output ended before ``index``."""
+    gap: float | None
+    """Target log-prob of its top-1 minus its top-2 there, in nats; ``None`` when the two tokens are not its top-2."""
+    near_tie: bool
+
+
+class EngineAcceptance(BaseModel):
+    """Acceptance in vLLM's convention (:class:`eval.metrics.EngineCounts`), beside τ."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mean_acceptance_length: float
+    """1 + accepted / drafts: vLLM's mean acceptance length, SGLang's accept length (chain drafting)."""
+    drafts: int
+    draft_tokens: int
+    accepted: int
+    accepted_per_position: list[int]
+
+
+class EngineCheck(BaseModel):
+    """The head served by an external engine on the eval's prompts (``bench/vllm_check.py``), against this runtime."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    engine: str
+    """e.g. ``vLLM 0.32.0 (CPU)``."""
+    date: str
+    k: int
+    prompts: int
+    max_new_tokens: int
+    identical_to_plain: bool
+    """The engine's speculative output equals the engine's own plain output on every prompt (T = 0)."""
+    engine_mean_acceptance_length: float
+    runtime_mean_acceptance_length: float
+    """This runtime's 1 + accepted / drafts for the same head, prompts, k and max tokens."""
+    relative_difference: float
+    engine_accepted_per_position: list[int]
+    runtime_accepted_per_position: list[int]
+    engine_drafts: int
+    runtime_drafts: int
+    max_position_difference: float
+    """The largest relative difference of the per-position acceptance rates (accepted there / drafts)."""
+    within_tolerance: bool
+    tolerance: float

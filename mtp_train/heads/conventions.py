@@ -1,0 +1,76 @@
+"""Serving conventions: the three choices that decide whether a served head sees what it was trained on.
+
+- ``hidden_input``: which target hidden state the head reads, ``pre_norm`` (before the target's final norm) or
+  ``post_norm`` (after it);
+- ``feedback``: which state a chained draft step feeds back as the next step's hidden input, the head's raw
+  decoder ``output`` or its output after the head's final norm (``head_norm``, DeepSeek's ``shared_head.norm``);
+- ``zero_embed_at_position0``: whether the token embedding is zeroed at position 0.
+
+``head.convention`` picks them, per head kind, as the engines do (``../shared/EXPORT.md`` sections 1.1 and 2):
+
+| kind | convention | hidden_input | feedback | zero at 0 | served by |
+|---|---|---|---|---|---|
+| mtp | native | pre_norm | output | yes | this runtime |
+| mtp | vllm | post_norm | head_norm | yes | vLLM's DeepSeek MTP (DeepSeek-family targets), this runtime |
+| mtp | sglang | post_norm | head_norm | no | SGLang's DeepSeek NextN (DeepSeek-family targets), this runtime |
+| eagle | any | post_norm | output | no | vLLM and SGLang EAGLE (Llama-family targets), this runtime |
+
+The trainer, the runtime's drafting and the eval read the choices from the head's ``config.json``, never from
+the convention's name, so a head is always run as it was trained.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CONVENTIONS = ("native", "vllm", "sglang")
+
+
+@dataclass(frozen=True)
+class Choices:
+    """What a head reads, feeds back and zeroes (see the module's table)."""
+
+    hidden_input: str  # "pre_norm" | "post_norm"
+    feedback: str  # "output" | "head_norm"
+    zero_embed_at_position0: bool
+
+    def describe(self) -> str:
+        side = "before" if self.hidden_input == "pre_norm" else "after"
+        fed = "its decoder output" if self.feedback == "output" else "its output after its final norm"
+        zero = "zeroed" if self.zero_embed_at_position0 else "kept"
+        return f"reads the target's hidden state {side} its final norm, feeds back {fed}, embedding at position 0 {zero}"
+
+
+_TABLE: dict[tuple[str, str], Choices] = {
+    ("mtp", "native"): Choices("pre_norm", "output", True),
+    ("mtp", "vllm"): Choices("post_norm", "head_norm", True),
+    ("mtp", "sglang"): Choices("post_norm", "head_norm", False),
+    **{("eagle", c): Choices("post_norm", "output", False) for c in CONVENTIONS},
+}
+
+ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
+
+
+def choices(kind: str, convention: str) -> Choices:
+    """The choices of ``convention`` for a head of ``kind``."""
+    return _TABLE[kind, convention]
+
+
+def served_by(kind: str, head: Choices, target_family: str) -> list[str]:
+    """The engines that serve this head as it was trained: ``vllm``/``sglang`` where the engine's convention for the
+    kind equals the head's choices and the engine has a loader for the kind on this target family."""
+    loaders = {"eagle": ("llama", "mistral"), "mtp": ("deepseek_v2", "deepseek_v3")}
+    if target_family not in loaders[kind]:
+        return []
+    return [engine for engine in ("vllm", "sglang") if choices(kind, engine) == head]
+
+
+def validity_line(kind: str, head: Choices, target_family: str) -> str:
+    """One sentence for the report: where this head can be served unchanged."""
+    engines = [ENGINE_NAMES[e] for e in served_by(kind, head, target_family)]
+    if engines:
+        return f"Valid in {' and '.join(engines)} (`mtp-train export --format ...`) and in this runtime."
+    if kind == "mtp" and target_family not in ("deepseek_v2", "deepseek_v3"):
+        return (f"Valid in this runtime only: no serving engine loads an MTP layer for a {target_family} target "
+                "(vLLM and SGLang serve DeepSeek-layout MTP layers for DeepSeek-family targets).")
+    return "Valid in this runtime only: its conventions differ from every engine's (train it with head.convention)."
