@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 EXIT_USER_ERROR = 2
-EXIT_NOT_BUILT = 3
 RECIPE_STAGES = ("precompute", "train", "eval", "report", "export")
 
 USAGE = """\
@@ -20,6 +19,7 @@ mtp-train {precompute,train,eval,report,export} RECIPE.yaml [KEY.PATH=VALUE ...]
 mtp-train verify FEATURES_DIR                               check every shard's checksum
 mtp-train precompute RECIPE.yaml [--overwrite] [--rank R --world-size W]
 mtp-train {eval,report} RECIPE.yaml [--baseline OLD/report.json]
+mtp-train export RECIPE.yaml --format {vllm,sglang} [--out DIR]
 mtp-train slurm RECIPE.yaml [KEY.PATH=VALUE ...] [--nodes N --gpus-per-node G --cpu ...] [--dry-run] [--wait]"""
 
 DESCRIPTION = """\
@@ -31,12 +31,12 @@ stages:
   train       train the draft head on the features against the frozen embedding and lm_head
   eval        speculative decoding with the head: acceptance, speedup, lossless check
   report      write the JSON, Markdown and HTML release report
-  export      write the head in DeepSeek-V3 MTP naming
+  export      write the trained head in a serving engine's format (--format vllm|sglang)
   verify      check a features directory against its manifest
   slurm       render the sbatch scripts for a recipe and submit them as a chain (slurm --help)
 
 exit status: 0 done, 1 verify found a problem (or a SLURM job failed: slurm --wait), 2 bad input (one line
-on stderr), 3 stage not built yet, 75 training stopped by SIGUSR1/SIGTERM after a checkpoint (rerun resumes)."""
+on stderr), 75 training stopped by SIGUSR1/SIGTERM after a checkpoint (rerun resumes)."""
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -71,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--world-size", type=int, help="number of workers sharing the rows")
         if name in ("eval", "report"):
             p.add_argument("--baseline", type=Path, help="an earlier report.json: add deltas and flag regressions")
+        if name == "export":
+            p.add_argument("--format", dest="export_format", required=True, choices=("vllm", "sglang"),
+                           help="the serving engine whose format to write")
+            p.add_argument("--out", type=Path, help="output directory (default: OUTPUT_DIR/export/KIND-FORMAT)")
     verify = sub.add_parser("verify", help=argparse.SUPPRESS)
     verify.add_argument("features_dir", type=Path, metavar="FEATURES_DIR")
     _add_slurm_parser(sub)
@@ -111,8 +115,7 @@ def _add_slurm_parser(sub) -> None:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    from mtp_train.errors import StageNotBuilt
-    from mtp_train.pipeline import STAGE_BY_NAME, STAGES, check_data, check_inputs, memory_text, plan_text, run_stage
+    from mtp_train.pipeline import STAGE_BY_NAME, STAGES, check_data, check_inputs, memory_text, plan_text
     from mtp_train.recipe import load_recipe, recipe_to_yaml
 
     if args.command == "verify":
@@ -130,24 +133,18 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(plan_text(recipe, stages))
         print(memory_text(recipe))
         return 0
-    try:
-        for stage in stages:
-            options = {}
-            if stage.name == "precompute":
-                options["overwrite"] = args.overwrite
-                if args.command == "precompute":
-                    options.update(rank=args.rank, world=args.world_size)
-            if stage.name in ("eval", "report"):
-                options["baseline"] = getattr(args, "baseline", None)
-                options["full_run"] = args.command == "run"
-            run_stage(stage, recipe, **options)
-    except StageNotBuilt as e:
-        if args.command != "run":
-            print(f"mtp-train: {e}", file=sys.stderr)
-            return EXIT_NOT_BUILT
-        # The full run does everything that exists, then says plainly where it stopped.
-        print(plan_text(recipe))
-        print(f"mtp-train: stopped: {e}. The stages before it are done.")
+    for stage in stages:
+        options = {}
+        if stage.name == "precompute":
+            options["overwrite"] = args.overwrite
+            if args.command == "precompute":
+                options.update(rank=args.rank, world=args.world_size)
+        if stage.name == "export":
+            options.update(fmt=args.export_format, out=args.out)
+        if stage.name in ("eval", "report"):
+            options["baseline"] = getattr(args, "baseline", None)
+            options["full_run"] = args.command == "run"
+        stage.run(recipe, **options)
     return 0
 
 

@@ -9,6 +9,3 @@ class UserError(Exception):
     The message names the file, field or key and says what to do.
     """
 
-
-class StageNotBuilt(Exception):
-    """A pipeline stage exists in the CLI but has no implementation yet."""

@@ -6,7 +6,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from mtp_train.errors import StageNotBuilt
 from mtp_train.hf_checkpoint import check_target, find_checkpoint
 from mtp_train.recipe import Recipe
 
@@ -17,11 +16,7 @@ class Stage:
 
     name: str
     describe: Callable[[Recipe], str]
-    run: Callable[..., object] | None  # run(recipe, **options); None: not built yet
-
-    @property
-    def built(self) -> bool:
-        return self.run is not None
+    run: Callable[..., object]  # run(recipe, **options)
 
 
 def _rel(path: Path) -> str:
@@ -89,8 +84,16 @@ STAGES: tuple[Stage, ...] = (
     ),
     Stage("report", lambda r: f"JSON, Markdown and HTML with plots -> {_rel(r.output_dir / 'eval')}", _report),
 )
+def _export(recipe: Recipe, fmt: str = "vllm", out: Path | None = None, **options) -> None:
+    from mtp_train.export import export_head
+
+    path = export_head(recipe, fmt, out)
+    print(f"export: {_rel(path)} ({recipe.head.kind} head, {fmt} format; README.md is its model card)")
+
+
 # Not part of a full run: exporting is asked for explicitly.
-EXPORT = Stage("export", lambda r: f"{_rel(r.output_dir / 'heads' / r.head.kind)} -> DeepSeek-V3 MTP tensor names", None)
+EXPORT = Stage("export", lambda r: f"{_rel(r.output_dir / 'heads' / r.head.kind)} -> a serving engine's format "
+               f"(--format vllm|sglang) in {_rel(r.output_dir / 'export')}", _export)
 STAGE_BY_NAME = {s.name: s for s in (*STAGES, EXPORT)}
 
 
@@ -121,12 +124,6 @@ def memory_text(recipe: Recipe) -> str:
 def plan_text(recipe: Recipe, stages: tuple[Stage, ...] = STAGES) -> str:
     lines = ["plan:"]
     for i, stage in enumerate(stages, 1):
-        status = "" if stage.built else "  [not built yet]"
-        lines.append(f"  {i}. {stage.name:<10} {stage.describe(recipe)}{status}")
+        lines.append(f"  {i}. {stage.name:<10} {stage.describe(recipe)}")
     return "\n".join(lines)
 
-
-def run_stage(stage: Stage, recipe: Recipe, **options) -> None:
-    if stage.run is None:
-        raise StageNotBuilt(f"stage '{stage.name}' is not built yet; nothing was run or written")
-    stage.run(recipe, **options)

@@ -132,13 +132,6 @@ def test_dry_run_still_refuses_bad_input():
     assert_one_line_user_error(run_cli(TINY_RECIPE, "--dry-run", "head.num_layers=0"), "head.num_layers")
 
 
-def test_export_is_not_built_and_says_so(tmp_path):
-    proc = run_cli("export", TINY_RECIPE, f"output_dir={tmp_path / 'out'}")
-    assert proc.returncode == 3
-    assert "not built yet" in proc.stderr and "Traceback" not in proc.stderr
-    assert not (tmp_path / "out").exists(), "a stage that does not exist writes nothing"
-
-
 def test_report_before_eval_is_a_one_line_error(tmp_path):
     assert_one_line_user_error(run_cli("report", TINY_RECIPE, f"output_dir={tmp_path / 'out'}"), "run `mtp-train eval` first")
 

@@ -1,0 +1,60 @@
+"""One vLLM run for bench/vllm_check.py, inside vLLM's own virtualenv (`make vllm` makes .venv-vllm).
+
+    .venv-vllm/bin/python bench/vllm_serve.py JOB.json RESULT.json
+
+JOB.json: ``{"target": DIR, "prompts": [[token ids], ...], "max_tokens": N, "max_model_len": M,
+"head": DIR or null, "k": K}``. Greedy decoding (T = 0) of the token-id prompts, stopping at the target's
+end-of-sequence ids as vLLM reads them from its generation config; with ``head``, EAGLE speculative decoding with
+``k`` draft tokens. RESULT.json: the generated token ids per prompt and, with a head, vLLM's speculative-decoding
+counters from ``llm.get_metrics()`` (drafts, draft tokens, accepted tokens, accepted per position). Imports nothing
+of the project: that virtualenv has vLLM's own torch and transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def counters(metrics) -> dict:
+    """vLLM's ``vllm:spec_decode_*`` counters as ``drafts``, ``draft_tokens``, ``accepted``, ``accepted_per_position``."""
+    by_name = {m.name: m for m in metrics}
+
+    def value(name: str) -> int:
+        return int(by_name[name].value) if name in by_name else 0
+
+    per_pos = by_name.get("vllm:spec_decode_num_accepted_tokens_per_pos")
+    return {"drafts": value("vllm:spec_decode_num_drafts"), "draft_tokens": value("vllm:spec_decode_num_draft_tokens"),
+            "accepted": value("vllm:spec_decode_num_accepted_tokens"),
+            "accepted_per_position": [int(v) for v in per_pos.values] if per_pos is not None else []}
+
+
+def main(job_path: str, result_path: str) -> int:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    job = json.loads(open(job_path).read())
+    spec = None
+    if job.get("head"):
+        spec = {"method": "eagle", "model": job["head"], "num_speculative_tokens": job["k"]}
+    start = time.perf_counter()
+    llm = LLM(model=job["target"], dtype="float32", max_model_len=job["max_model_len"], enforce_eager=True,
+              speculative_config=spec, disable_log_stats=False, seed=0)
+    loaded = time.perf_counter() - start
+    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"])
+    start = time.perf_counter()
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]], params, use_tqdm=False)
+    result = {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "load_s": round(loaded, 1),
+              "generate_s": round(time.perf_counter() - start, 1)}
+    if spec is not None:
+        result["counts"] = counters(llm.get_metrics())
+    with open(result_path + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(result_path + ".tmp", result_path)
+    return 0
+
+
+if __name__ == "__main__":  # vLLM starts its engine processes with spawn
+    sys.exit(main(*sys.argv[1:3]))

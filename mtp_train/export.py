@@ -1,0 +1,142 @@
+"""``mtp-train export RECIPE --format FORMAT [--out DIR]``: a trained head in a serving engine's format.
+
+Formats (``../shared/EXPORT.md``):
+
+- ``vllm``, an ``eagle`` head: ``EagleLlamaForCausalLM``; ``config.json`` is the target's with
+  ``num_hidden_layers`` = the head's layers; ``model.safetensors`` holds ``fc.weight [H, 2H]`` (no bias) and
+  ``layers.{i}.*`` in HF names, without layer 0's ``input_layernorm`` and without ``model.`` (vLLM adds it), and
+  neither the embedding nor an lm_head (the engine shares the target's).
+- ``sglang``, an ``eagle`` head: the same with ``LlamaForCausalLMEagle`` and an explicit zero ``fc.bias``, since
+  SGLang builds ``fc`` with a bias and would otherwise leave it at its initial value.
+- an ``mtp`` head: vLLM and SGLang load MTP layers only in the DeepSeek layout of a DeepSeek-family target; for
+  the families this toolkit serves (Llama, Mistral, Qwen2, Qwen3) no engine has an MTP loader, so the export is
+  refused with a line that says what serves it (this runtime), rather than writing files that would load wrongly.
+
+The export refuses, naming the difference, a head whose conventions (:mod:`mtp_train.heads.conventions`), target
+fingerprint or vocabulary differ from what the format's engine will run it with. It writes into a temporary
+directory and renames it into place, so a refused or failed export leaves nothing behind. The directory also holds
+``README.md``, a short model card: target, data, steps, the report's τ and engine MAL per k, and where the report is.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from eval.report import FILES, load_report
+from mtp_train.errors import UserError
+from mtp_train.heads.conventions import ENGINE_NAMES, choices, served_by
+from mtp_train.io import fresh_dir, replace_dir, write_atomic, write_json_atomic
+from mtp_train.models.config import ModelConfig
+from mtp_train.recipe import Recipe
+from mtp_train.train.checkpoint import head_to_hf, load_head
+from mtp_train.train.trainer import head_dir
+from precompute.manifest import target_fingerprint
+
+FORMATS = ("vllm", "sglang")
+ARCHITECTURES = {"vllm": "EagleLlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"}
+# Keys of the target's config that describe its checkpoint, not the head's.
+DROPPED_KEYS = ("quantization_config", "auto_map", "_name_or_path", "transformers_version")
+
+
+def default_out(recipe: Recipe, fmt: str) -> Path:
+    return recipe.output_dir / "export" / f"{recipe.head.kind}-{fmt}"
+
+
+def export_head(recipe: Recipe, fmt: str, out: Path | None = None) -> Path:
+    """Write the recipe's trained head for ``fmt`` into ``out``; returns ``out``. Every refusal is a UserError."""
+    if fmt not in FORMATS:
+        raise UserError(f"--format {fmt!r}: choose one of {', '.join(FORMATS)}")
+    target_config = json.loads((recipe.target.path / "config.json").read_text(encoding="utf-8"))
+    target = ModelConfig.from_hf(target_config, str(recipe.target.path / "config.json"))
+    root = head_dir(recipe)
+    if not (root / "config.json").is_file():
+        raise UserError(f"{root}: no trained {recipe.head.kind} head; run `mtp-train train` first")
+    head = load_head(root, target)  # refuses another hidden size or vocabulary, naming both
+    spec = head.spec
+    if spec.target_fingerprint != target_fingerprint(recipe.target.path):
+        raise UserError(f"{root / 'config.json'}: the head was trained for a different target than "
+                        f"{recipe.target.path}; train it again for this target before exporting")
+    _check_servable(spec.kind, spec.choices, target.family, fmt, root)
+
+    out = out or default_out(recipe, fmt)
+    tmp = fresh_dir(out.with_name(f".{out.name}.tmp"))
+    tensors = head_to_hf(head)
+    if fmt == "sglang":
+        tensors["fc.bias"] = tensors["fc.weight"].new_zeros(tensors["fc.weight"].shape[0])
+    save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+    trained = json.loads((root / "config.json").read_text(encoding="utf-8"))
+    write_json_atomic(tmp / "config.json", _config(target_config, spec, fmt, trained))
+    write_atomic(tmp / "README.md", model_card(recipe, spec, fmt, trained))
+    replace_dir(tmp, out)
+    return out
+
+
+def _check_servable(kind: str, head, family: str, fmt: str, root: Path) -> None:
+    engine = ENGINE_NAMES[fmt]
+    if kind == "mtp" and family not in ("deepseek_v2", "deepseek_v3"):
+        raise UserError(f"{root}: an mtp head on a {family} target cannot be exported for {engine}: no serving engine "
+                        "loads an MTP layer for this family (vLLM and SGLang serve DeepSeek-layout MTP layers only "
+                        "for DeepSeek-family targets); serve it with this runtime (`mtp-train eval`), or train "
+                        "head.kind=eagle to export for vLLM or SGLang")
+    if fmt in served_by(kind, head, family):
+        return
+    if family not in ("llama", "mistral"):
+        raise UserError(f"{root}: {engine}'s EAGLE-1 loader is for Llama-architecture heads; a {family} target's head "
+                        "(its decoder layer) would not load there; serve it with this runtime (`mtp-train eval`)")
+    want = choices(kind, fmt)
+    raise UserError(f"{root}/config.json: the head was trained in other conventions than {engine} runs it with: it "
+                    f"{head.describe()}, {engine} {want.describe()}; train it again with head.convention={fmt}")
+
+
+def _config(target_config: dict, spec, fmt: str, trained: dict) -> dict:
+    """The target's config made the head's (``num_hidden_layers``, ``architectures``, the weights' dtype), plus a
+    record of how it was trained (``mtp_train``, ignored by the engines)."""
+    config = {k: v for k, v in target_config.items() if k not in DROPPED_KEYS}
+    config.update(architectures=[ARCHITECTURES[fmt]], num_hidden_layers=spec.num_layers, torch_dtype="float32")
+    config.pop("dtype", None)
+    if fmt == "sglang":
+        config["bias"] = True  # SGLang's fc bias flag; the exported bias is zero
+    config["mtp_train"] = {"head_kind": spec.kind, "convention": spec.convention, "hidden_input": spec.hidden_input,
+                           "feedback": spec.feedback, "zero_embed_at_position0": spec.zero_embed_at_position0,
+                           "target_fingerprint": spec.target_fingerprint, "steps": trained.get("steps"),
+                           "training_fingerprint": trained.get("training_fingerprint")}
+    return config
+
+
+def model_card(recipe: Recipe, spec, fmt: str, trained: dict) -> str:
+    """A short README for the exported directory."""
+    report_path = recipe.output_dir / "eval" / FILES["json"]
+    lines = [f"# {spec.kind} draft head for {recipe.target.path.name} ({ENGINE_NAMES[fmt]} format)", "",
+             f"- Target: `{recipe.target.path}` (fingerprint `{spec.target_fingerprint[:16]}`), "
+             f"{spec.target.num_layers} layers, hidden {spec.target.hidden_size}, vocab {spec.target.vocab_size}.",
+             f"- Head: {spec.kind}, {spec.num_layers} decoder layer(s), convention `{spec.convention}`: it "
+             f"{spec.choices.describe()}.",
+             f"- Data: {', '.join(f'`{p.name}`' for p in recipe.data.train)}"
+             + (", answers regenerated by the target" if recipe.data.regenerate else "")
+             + f"; {trained.get('steps', '?')} training steps.",
+             f"- Validation (trainer): {json.dumps(trained.get('validation', {}))}."]
+    try:
+        report = load_report(report_path)
+    except UserError:
+        report = None
+    if report is None or report.mode != spec.kind:
+        lines += ["", f"No eval report of this head was found at `{report_path}`; run `mtp-train eval` for one."]
+    else:
+        lines += ["", f"Acceptance in this toolkit's runtime (`{report_path}`, {report.settings.get('num_prompts')} "
+                      f"prompts, T = 0). τ: tokens per verification step, bonus included; engine MAL: vLLM's mean "
+                      "acceptance length, 1 + accepted / drafts, comparable with what vLLM and SGLang print.", "",
+                  "| k | τ | engine MAL |", "|---:|---:|---:|"]
+        for p in sorted((p for p in report.sweep if p.temperature == 0), key=lambda p: p.k):
+            mal = "—" if p.engine_acceptance is None else f"{p.engine_acceptance.mean_acceptance_length:.3f}"
+            lines.append(f"| {p.k} | {p.tau:.3f} | {mal} |")
+    serve = {"vllm": ["```python", f'LLM(model="{recipe.target.path}", speculative_config={{"method": "eagle", '
+                               '"model": "THIS_DIR", "num_speculative_tokens": 3})', "```"],
+             "sglang": ["```", f"python -m sglang.launch_server --model-path {recipe.target.path} "
+                               "--speculative-algorithm EAGLE --speculative-draft-model-path THIS_DIR "
+                               "--speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4",
+                        "```"]}
+    lines += ["", f"Serve it ({ENGINE_NAMES[fmt]}):", "", *serve[fmt], ""]
+    return "\n".join(lines)
