@@ -32,6 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+KV_BYTES = 2 * 2**30  # both sides: VLLM_CPU_KVCACHE_SPACE=2 for vLLM, as much for this runtime
 
 from eval.engine_check import TOLERANCE, build_check  # noqa: E402
 from mtp_train.errors import UserError  # noqa: E402
@@ -49,7 +50,7 @@ def vllm_version(python: Path) -> str:
 def serve(python: Path, job: dict, work: Path, name: str) -> dict:
     """One bench/vllm_serve.py run; its log goes to WORK/NAME.log."""
     (work / f"{name}.json").write_text(json.dumps(job))
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(KV_BYTES // 2**30),
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING"}
     with open(work / f"{name}.log", "w") as log:
         proc = subprocess.run([str(python), str(REPO / "bench" / "vllm_serve.py"), str(work / f"{name}.json"),
@@ -74,8 +75,10 @@ def runtime_runs(recipe, ks: list[int]) -> tuple[list, list[list[int]], list[lis
     from mtp_train.train.trainer import head_dir
 
     torch.manual_seed(recipe.seed)
-    engine = Engine.from_pretrained(recipe.target.path, dtype=torch.float32, device="cpu",
-                                    max_seqs=recipe.eval.batch_size)
+    # Every prompt in one batch (up to 256), as vLLM schedules them, with vLLM's 2 GiB of KV here: admitting a
+    # request mid-run makes a plain step in which no sequence drafts, and so does recomputing a preempted one, so a
+    # narrower batch would verify fewer drafts than vLLM does for the same outputs.
+    engine = Engine.from_pretrained(recipe.target.path, dtype=torch.float32, device="cpu", kv_bytes=KV_BYTES)
     prompts, token_ids, _, _ = eval_prompts(recipe, engine)
     drafter = HeadDrafter(engine, trained_head(recipe, head_dir(recipe), engine))
     params = SamplingParams(temperature=0.0, max_new_tokens=recipe.eval.max_new_tokens)

@@ -61,7 +61,9 @@ def engine_check_blocks(r: Report) -> list[tuple]:
     blocks: list[tuple] = [("p", "The exported head served by the engine at T=0 on this eval's prompts, with the same k "
                                  "and max tokens (`bench/vllm_check.py`): the engine's speculative output against its "
                                  "own plain output, and its mean acceptance length and accepted counts per draft "
-                                 "position against this runtime's for the same head, counted the same way.")]
+                                 "position against this runtime's for the same head, counted the same way, every "
+                                 "prompt in one batch on both sides as vLLM schedules them (the sweep above ran at "
+                                 "eval.batch_size, where admitting a request makes a step in which nothing drafts).")]
     if not ok:
         blocks.append(("flag", "ENGINE CHECK FAILED: the engine's output or acceptance differs beyond the tolerance."))
     blocks.append(("table", ["engine", "date", "k", "prompts", "max tokens", "identical to its plain output",
