@@ -84,6 +84,8 @@ STAGES: tuple[Stage, ...] = (
     ),
     Stage("report", lambda r: f"JSON, Markdown and HTML with plots -> {_rel(r.output_dir / 'eval')}", _report),
 )
+
+
 def _export(recipe: Recipe, fmt: str = "vllm", out: Path | None = None, **options) -> None:
     from mtp_train.export import export_head
 
