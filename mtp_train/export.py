@@ -83,9 +83,10 @@ def _check_servable(kind: str, head, family: str, fmt: str, root: Path) -> None:
                         "head.kind=eagle to export for vLLM or SGLang")
     if fmt in served_by(kind, head, family):
         return
-    if family not in ("llama", "mistral"):
-        raise UserError(f"{root}: {engine}'s EAGLE-1 loader is for Llama-architecture heads; a {family} target's head "
-                        "(its decoder layer) would not load there; serve it with this runtime (`mtp-train eval`)")
+    if family != "llama":
+        raise UserError(f"{root}: {engine}'s EAGLE-1 loader builds a Llama decoder layer; a {family} target's head "
+                        "(its decoder layer) would not load there as trained; serve it with this runtime "
+                        "(`mtp-train eval`)")
     want = choices(kind, fmt)
     raise UserError(f"{root}/config.json: the head was trained in other conventions than {engine} runs it with: it "
                     f"{head.describe()}, {engine} {want.describe()}; train it again with head.convention={fmt}")

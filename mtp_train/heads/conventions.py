@@ -13,7 +13,7 @@
 | mtp | native | pre_norm | output | yes | this runtime |
 | mtp | vllm | post_norm | head_norm | yes | vLLM's DeepSeek MTP (DeepSeek-family targets), this runtime |
 | mtp | sglang | post_norm | head_norm | no | SGLang's DeepSeek NextN (DeepSeek-family targets), this runtime |
-| eagle | any | post_norm | output | no | vLLM and SGLang EAGLE (Llama-family targets), this runtime |
+| eagle | any | post_norm | output | no | vLLM and SGLang EAGLE (Llama targets), this runtime |
 
 The trainer, the runtime's drafting and the eval read the choices from the head's ``config.json``, never from
 the convention's name, so a head is always run as it was trained.
@@ -59,7 +59,9 @@ def choices(kind: str, convention: str) -> Choices:
 def served_by(kind: str, head: Choices, target_family: str) -> list[str]:
     """The engines that serve this head as it was trained: ``vllm``/``sglang`` where the engine's convention for the
     kind equals the head's choices and the engine has a loader for the kind on this target family."""
-    loaders = {"eagle": ("llama", "mistral"), "mtp": ("deepseek_v2", "deepseek_v3")}
+    # Llama only for eagle: the family whose export has been served and checked in vLLM (Mistral's sliding window
+    # and Qwen's biases and norms are not what vLLM's EagleLlamaForCausalLM builds).
+    loaders = {"eagle": ("llama",), "mtp": ("deepseek_v2", "deepseek_v3")}
     if target_family not in loaders[kind]:
         return []
     return [engine for engine in ("vllm", "sglang") if choices(kind, engine) == head]
