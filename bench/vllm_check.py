@@ -35,6 +35,7 @@ VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 KV_BYTES = 2 * 2**30  # both sides: VLLM_CPU_KVCACHE_SPACE=2 for vLLM, as much for this runtime
 
 from eval.engine_check import TOLERANCE, build_check  # noqa: E402
+from eval.metrics import EngineCounts  # noqa: E402
 from mtp_train.errors import UserError  # noqa: E402
 
 
@@ -68,10 +69,11 @@ def runtime_runs(recipe, ks: list[int]) -> tuple[list, list[list[int]], list[lis
     import torch
 
     from eval.metrics import engine_counts, pooled_tau
-    from eval.run import eval_prompts, request_traces, trained_head
+    from eval.run import eval_prompts, request_traces
     from mtp_train.runtime.engine import Engine
     from mtp_train.runtime.sampling import SamplingParams
     from mtp_train.runtime.speculative import HeadDrafter, SpeculativeDecoder
+    from mtp_train.train.checkpoint import load_trained_head
     from mtp_train.train.trainer import head_dir
 
     torch.manual_seed(recipe.seed)
@@ -80,17 +82,15 @@ def runtime_runs(recipe, ks: list[int]) -> tuple[list, list[list[int]], list[lis
     # narrower batch would verify fewer drafts than vLLM does for the same outputs.
     engine = Engine.from_pretrained(recipe.target.path, dtype=torch.float32, device="cpu", kv_bytes=KV_BYTES)
     prompts, token_ids, _, _ = eval_prompts(recipe, engine)
-    drafter = HeadDrafter(engine, trained_head(recipe, head_dir(recipe), engine))
+    drafter = HeadDrafter(engine, load_trained_head(head_dir(recipe), recipe.target.path, engine.cfg))
     params = SamplingParams(temperature=0.0, max_new_tokens=recipe.eval.max_new_tokens)
     plain = [r.tokens for r in engine.generate(token_ids, params)]
     runs = {}
     for k in ks:
         results = SpeculativeDecoder(engine, drafter, k).generate(token_ids, params)
         traces = request_traces(prompts, token_ids, results)
-        counts = engine_counts(traces, k)
         runs[k] = {"tokens": [r.tokens for r in results], "tau": pooled_tau(traces),
-                   "counts": {"drafts": counts.drafts, "accepted": counts.accepted,
-                              "accepted_per_position": counts.accepted_per_position}}
+                   "counts": engine_counts(traces, k)}
     return prompts, token_ids, plain, runs
 
 
@@ -152,7 +152,7 @@ def check(args: argparse.Namespace) -> int:
     for k in ks:
         identical = sum(a == b for a, b in zip(theirs[k]["tokens"], theirs_plain))
         c = build_check(engine, date, k, len(prompts), e.max_new_tokens, identical == len(prompts),
-                        theirs[k]["counts"], ours[k]["counts"])
+                        EngineCounts(**theirs[k]["counts"]), ours[k]["counts"])
         checks.append(c)
         ok = c.within_tolerance and c.identical_to_plain
         print(f"| {k} | {identical}/{len(prompts)} | {c.engine_mean_acceptance_length:.3f} | "

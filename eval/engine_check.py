@@ -9,6 +9,7 @@ prompts, k and max tokens (:class:`eval.metrics.EngineCounts`).
 
 from __future__ import annotations
 
+from eval.metrics import EngineCounts
 from eval.records import EngineCheck
 from eval.report import Report
 
@@ -17,25 +18,18 @@ TOLERANCE = 0.03
 
 
 def build_check(engine: str, date: str, k: int, prompts: int, max_new_tokens: int, identical: bool,
-                engine_counts: dict, runtime_counts: dict, tolerance: float = TOLERANCE) -> EngineCheck:
-    """The record of one k. Both ``*_counts`` hold ``drafts``, ``accepted`` and ``accepted_per_position``."""
-
-    def mal(c: dict) -> float:
-        return 1 + c["accepted"] / c["drafts"] if c["drafts"] else 0.0
-
-    def rates(c: dict) -> list[float]:
-        return [a / c["drafts"] if c["drafts"] else 0.0 for a in c["accepted_per_position"]]
-
-    ours, theirs = mal(runtime_counts), mal(engine_counts)
-    diff = (theirs - ours) / ours if ours else float("inf")
+                theirs: EngineCounts, ours: EngineCounts, tolerance: float = TOLERANCE) -> EngineCheck:
+    """The record of one k: the engine's counts (``theirs``) against this runtime's (``ours``)."""
+    mal_ours, mal_theirs = ours.mean_acceptance_length, theirs.mean_acceptance_length
+    diff = (mal_theirs - mal_ours) / mal_ours if mal_ours else float("inf")
     positions = [abs(e - r) / r if r else (0.0 if e == r else float("inf"))
-                 for e, r in zip(rates(engine_counts), rates(runtime_counts), strict=True)]
+                 for e, r in zip(theirs.position_rates, ours.position_rates, strict=True)]
     return EngineCheck(
         engine=engine, date=date, k=k, prompts=prompts, max_new_tokens=max_new_tokens, identical_to_plain=identical,
-        engine_mean_acceptance_length=round(theirs, 4), runtime_mean_acceptance_length=round(ours, 4),
-        relative_difference=round(diff, 5), engine_accepted_per_position=list(engine_counts["accepted_per_position"]),
-        runtime_accepted_per_position=list(runtime_counts["accepted_per_position"]),
-        engine_drafts=engine_counts["drafts"], runtime_drafts=runtime_counts["drafts"],
+        engine_mean_acceptance_length=round(mal_theirs, 4), runtime_mean_acceptance_length=round(mal_ours, 4),
+        relative_difference=round(diff, 5), engine_accepted_per_position=list(theirs.accepted_per_position),
+        runtime_accepted_per_position=list(ours.accepted_per_position),
+        engine_drafts=theirs.drafts, runtime_drafts=ours.drafts,
         max_position_difference=round(max(positions, default=0.0), 5),
         within_tolerance=abs(diff) <= tolerance and max(positions, default=0.0) <= tolerance, tolerance=tolerance)
 

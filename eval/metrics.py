@@ -112,6 +112,11 @@ class EngineCounts:
     def mean_acceptance_length(self) -> float:
         return 1 + self.accepted / self.drafts if self.drafts else 0.0
 
+    @property
+    def position_rates(self) -> list[float]:
+        """Per draft position: the steps that accepted it / drafts (vLLM's per-position acceptance rate)."""
+        return [a / self.drafts if self.drafts else 0.0 for a in self.accepted_per_position]
+
 
 def engine_counts(traces: Iterable[RequestTrace], k: int) -> EngineCounts | None:
     """The vLLM-convention counts of ``traces`` (``None`` when a trace did not record its drafted counts)."""

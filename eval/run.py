@@ -40,6 +40,7 @@ from mtp_train.runtime.sampling import SamplingParams
 from mtp_train.runtime.sequence import Sequence, Status
 from mtp_train.runtime.speculative import Drafter, HeadDrafter, SpeculativeDecoder
 from mtp_train.threads import set_threads, warn_if_oversubscribed
+from mtp_train.train.checkpoint import load_trained_head
 from precompute.manifest import target_fingerprint, text_fingerprint
 
 
@@ -182,17 +183,6 @@ def _baseline(recipe: Recipe, given: Path | None) -> Path | None:
     return path
 
 
-def trained_head(recipe: Recipe, root: Path, engine: Engine):
-    """The head in ``root``, refused when it was trained for another target than the recipe's."""
-    from mtp_train.train.checkpoint import load_head
-
-    head = load_head(root, engine.cfg)
-    if head.spec.target_fingerprint != target_fingerprint(recipe.target.path):
-        raise UserError(f"{root / 'config.json'}: the head was trained for a different target than "
-                        f"{recipe.target.path}; train it again for this target")
-    return head
-
-
 def _load(recipe: Recipe) -> tuple[Engine, Drafter, Any]:
     from mtp_train.models.checkpoint import load_transformer
     from mtp_train.runtime.device import default_device, resolve_dtype
@@ -212,7 +202,7 @@ def _load(recipe: Recipe) -> tuple[Engine, Drafter, Any]:
     from precompute.reader import FeatureReader
 
     root = head_dir(recipe)
-    head = trained_head(recipe, root, engine)
+    head = load_trained_head(root, recipe.target.path, engine.cfg)
     drafter = HeadDrafter(engine, head)
     trainer_numbers = json.loads((root / "config.json").read_text()).get("validation", {})
     reader = FeatureReader(recipe.features_dir, target=recipe.target.path)  # its shards checked now, read at the end
@@ -283,7 +273,7 @@ def _load_other(recipe: Recipe, engine: Engine, name: str):
     root = recipe.output_dir / "heads" / name
     if not (root / "model.safetensors").is_file():
         raise UserError(f"eval.compare: no trained {name!r} head in {root}; run `mtp-train train` with it first")
-    return trained_head(recipe, root, engine)
+    return load_trained_head(root, recipe.target.path, engine.cfg)
 
 
 def _other_drafter(engine: Engine, name: str, loaded) -> Drafter:

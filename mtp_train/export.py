@@ -27,13 +27,12 @@ from safetensors.torch import save_file
 
 from eval.report import FILES, load_report
 from mtp_train.errors import UserError
-from mtp_train.heads.conventions import ENGINE_NAMES, choices, served_by
+from mtp_train.heads.conventions import ENGINE_NAMES, LOADER_FAMILIES, choices, served_by
 from mtp_train.io import fresh_dir, replace_dir, write_atomic, write_json_atomic
 from mtp_train.models.config import ModelConfig
 from mtp_train.recipe import Recipe
-from mtp_train.train.checkpoint import head_to_hf, load_head
+from mtp_train.train.checkpoint import head_to_hf, load_trained_head
 from mtp_train.train.trainer import head_dir
-from precompute.manifest import target_fingerprint
 
 FORMATS = ("vllm", "sglang")
 ARCHITECTURES = {"vllm": "EagleLlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"}
@@ -54,11 +53,8 @@ def export_head(recipe: Recipe, fmt: str, out: Path | None = None) -> Path:
     root = head_dir(recipe)
     if not (root / "config.json").is_file():
         raise UserError(f"{root}: no trained {recipe.head.kind} head; run `mtp-train train` first")
-    head = load_head(root, target)  # refuses another hidden size or vocabulary, naming both
+    head = load_trained_head(root, recipe.target.path, target)  # another target, hidden size or vocabulary: refused
     spec = head.spec
-    if spec.target_fingerprint != target_fingerprint(recipe.target.path):
-        raise UserError(f"{root / 'config.json'}: the head was trained for a different target than "
-                        f"{recipe.target.path}; train it again for this target before exporting")
     _check_servable(spec.kind, spec.choices, target.family, fmt, root)
 
     out = out or default_out(recipe, fmt)
@@ -76,14 +72,14 @@ def export_head(recipe: Recipe, fmt: str, out: Path | None = None) -> Path:
 
 def _check_servable(kind: str, head, family: str, fmt: str, root: Path) -> None:
     engine = ENGINE_NAMES[fmt]
-    if kind == "mtp" and family not in ("deepseek_v2", "deepseek_v3"):
-        raise UserError(f"{root}: an mtp head on a {family} target cannot be exported for {engine}: no serving engine "
-                        "loads an MTP layer for this family (vLLM and SGLang serve DeepSeek-layout MTP layers only "
-                        "for DeepSeek-family targets); serve it with this runtime (`mtp-train eval`), or train "
-                        "head.kind=eagle to export for vLLM or SGLang")
     if fmt in served_by(kind, head, family):
         return
-    if family != "llama":
+    if family not in LOADER_FAMILIES[kind]:
+        if kind == "mtp":
+            raise UserError(f"{root}: an mtp head on a {family} target cannot be exported for {engine}: no serving "
+                            "engine loads an MTP layer for this family (vLLM and SGLang serve DeepSeek-layout MTP "
+                            "layers only for DeepSeek-family targets); serve it with this runtime (`mtp-train eval`), "
+                            "or train head.kind=eagle to export for vLLM or SGLang")
         raise UserError(f"{root}: {engine}'s EAGLE-1 loader builds a Llama decoder layer; a {family} target's head "
                         "(its decoder layer) would not load there as trained; serve it with this runtime "
                         "(`mtp-train eval`)")

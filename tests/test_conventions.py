@@ -36,6 +36,8 @@ def test_each_convention_sets_what_the_engines_do():
     assert served_by("mtp", got[("mtp", "vllm")], "deepseek_v3") == ["vllm"]
     assert served_by("mtp", got[("mtp", "native")], "deepseek_v3") == []
     assert "no serving engine loads an MTP layer for a llama target" in validity_line("mtp", got[("mtp", "vllm")], "llama")
+    assert "EAGLE-1 loaders build a Llama decoder layer, not a qwen2" in validity_line("eagle", got[("eagle", "vllm")],
+                                                                                       "qwen2")
 
 
 def test_the_config_records_the_choices_and_a_head_saved_before_them_loads_as_native():

@@ -56,13 +56,16 @@ def choices(kind: str, convention: str) -> Choices:
     return _TABLE[kind, convention]
 
 
+# The target families whose heads of each kind an engine's loader builds as trained. Llama only for eagle: the family
+# whose export has been served and checked in vLLM (Mistral's sliding window and Qwen's biases and norms are not what
+# vLLM's EagleLlamaForCausalLM builds); DeepSeek only for mtp, the only layout vLLM and SGLang load MTP layers in.
+LOADER_FAMILIES = {"eagle": ("llama",), "mtp": ("deepseek_v2", "deepseek_v3")}
+
+
 def served_by(kind: str, head: Choices, target_family: str) -> list[str]:
     """The engines that serve this head as it was trained: ``vllm``/``sglang`` where the engine's convention for the
     kind equals the head's choices and the engine has a loader for the kind on this target family."""
-    # Llama only for eagle: the family whose export has been served and checked in vLLM (Mistral's sliding window
-    # and Qwen's biases and norms are not what vLLM's EagleLlamaForCausalLM builds).
-    loaders = {"eagle": ("llama",), "mtp": ("deepseek_v2", "deepseek_v3")}
-    if target_family not in loaders[kind]:
+    if target_family not in LOADER_FAMILIES[kind]:
         return []
     return [engine for engine in ("vllm", "sglang") if choices(kind, engine) == head]
 
@@ -72,7 +75,10 @@ def validity_line(kind: str, head: Choices, target_family: str) -> str:
     engines = [ENGINE_NAMES[e] for e in served_by(kind, head, target_family)]
     if engines:
         return f"Valid in {' and '.join(engines)} (`mtp-train export --format ...`) and in this runtime."
-    if kind == "mtp" and target_family not in ("deepseek_v2", "deepseek_v3"):
+    if target_family in LOADER_FAMILIES[kind]:
+        return "Valid in this runtime only: its conventions differ from every engine's (train it with head.convention)."
+    if kind == "mtp":
         return (f"Valid in this runtime only: no serving engine loads an MTP layer for a {target_family} target "
                 "(vLLM and SGLang serve DeepSeek-layout MTP layers for DeepSeek-family targets).")
-    return "Valid in this runtime only: its conventions differ from every engine's (train it with head.convention)."
+    return (f"Valid in this runtime only: vLLM's and SGLang's EAGLE-1 loaders build a Llama decoder layer, not a "
+            f"{target_family} target's.")

@@ -26,6 +26,7 @@ from mtp_train.heads.base import DraftHead, HeadSpec, build_head, load_head_conf
 from mtp_train.io import fresh_dir, replace_dir, write_atomic, write_json_atomic
 from mtp_train.models.checkpoint import layer_from_hf, layer_to_hf
 from mtp_train.models.config import ModelConfig
+from precompute.manifest import target_fingerprint
 
 LATEST = "latest"
 
@@ -205,6 +206,16 @@ def load_head(root: Path, target: ModelConfig | None = None) -> DraftHead:
         raise UserError(f"{path}: cannot be read ({str(e).splitlines()[0][:160]}); "
                         "train the head again with `mtp-train train`") from None
     return head_from_hf(spec, tensors, str(path)).eval()
+
+
+def load_trained_head(root: Path, target_root: Path, target: ModelConfig) -> DraftHead:
+    """``load_head`` checked against the target checkpoint at ``target_root`` (config ``target``): refused when the
+    head was trained for another target."""
+    head = load_head(root, target)
+    if head.spec.target_fingerprint != target_fingerprint(target_root):
+        raise UserError(f"{root / 'config.json'}: the head was trained for a different target than "
+                        f"{target_root}; train it again for this target")
+    return head
 
 
 def head_is_complete(root: Path, training_fingerprint: str) -> bool:
