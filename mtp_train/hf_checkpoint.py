@@ -11,7 +11,7 @@ from mtp_train.errors import UserError
 
 SINGLE_WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # the decoder families mtp_train.models implements
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "deepseek_v2", "deepseek_v3")  # the decoder families mtp_train.models implements
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,23 @@ FAMILY_OPTIONS = {
     "mistral": dict(sliding_window=12, rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
     "qwen2": dict(rope_parameters=dict(rope_type="default", rope_theta=1000000.0)),
     "qwen3": dict(head_dim=32, rope_parameters=dict(rope_type="default", rope_theta=1000000.0)),
+    # DeepSeek at real head and rope sizes (qk 128 + 64, v 128, latent 512), a few small experts, YaRN as released
+    # (V2-Lite's rope; for V3 an mscale pair whose cos/sin factor is not 1), one dense layer first.
+    "deepseek_v2": dict(
+        **(_DEEPSEEK := dict(
+            num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+            v_head_dim=128, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+            first_k_dense_replace=1, n_group=2, topk_group=1,
+        )),
+        topk_method="group_limited_greedy", routed_scaling_factor=1.5,
+        max_position_embeddings=2560, rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=64,
+                             beta_fast=32, beta_slow=1, mscale=0.707, mscale_all_dim=0.707),
+    ),
+    "deepseek_v3": dict(
+        **{**_DEEPSEEK, "q_lora_rank": 96}, norm_topk_prob=True, routed_scaling_factor=2.5,
+        max_position_embeddings=2560, rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=64,
+                             beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=0.707),
+    ),
 }
 
 
@@ -50,6 +67,11 @@ def save_random_model(family: str, root: Path, seed: int = 0, max_shard_size: st
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.normal_(0.0 if name.endswith("bias") else 1.0, 0.1)
+            elif name.endswith("mlp.gate.weight"):  # DeepSeek's router: scores far enough apart to route
+                p.normal_(0.0, 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3: a correction that changes the choice
+                b.normal_(0.0, 0.3)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(root, **kwargs)
     return model

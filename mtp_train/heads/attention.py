@@ -27,3 +27,15 @@ class DocumentCausalAttention:
             for s, e in self.bounds
         ]
         return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def attend_latent(self, q: torch.Tensor, latent: torch.Tensor, cache, v_dim: int, scale: float) -> torch.Tensor:
+        """MLA, absorbed: ``q [T, H, D]`` against ``latent [T, 1, D]`` (its first ``v_dim`` channels the value)
+        -> ``[T, H, v_dim]``."""
+        parts = [
+            F.scaled_dot_product_attention(
+                q[None, s:e].transpose(1, 2), latent[None, s:e].transpose(1, 2),
+                latent[None, s:e, :, :v_dim].transpose(1, 2), is_causal=True, enable_gqa=True, scale=scale,
+            )[0].transpose(0, 1)
+            for s, e in self.bounds
+        ]
+        return torch.cat(parts) if len(parts) > 1 else parts[0]

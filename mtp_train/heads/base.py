@@ -19,7 +19,7 @@ from torch import nn
 from mtp_train.errors import UserError
 from mtp_train.heads.attention import DocumentCausalAttention
 from mtp_train.heads.conventions import Choices, choices
-from mtp_train.models.config import ModelConfig, RopeConfig
+from mtp_train.models.config import ModelConfig
 from mtp_train.models.rope import RotaryEmbedding
 from mtp_train.models.tp import TensorParallel
 from mtp_train.models.transformer import DecoderLayer
@@ -59,9 +59,7 @@ class HeadSpec:
     @classmethod
     def from_json(cls, data: dict, source: str) -> HeadSpec:
         try:
-            target = dict(data["target"])
-            target["rope"] = RopeConfig(**target["rope"])
-            spec = cls(data["kind"], int(data["num_layers"]), ModelConfig(**target), data["target_fingerprint"],
+            spec = cls(data["kind"], int(data["num_layers"]), ModelConfig.from_json(data["target"]), data["target_fingerprint"],
                        data["hidden_input"], bool(data["zero_embed_at_position0"]), data.get("feedback", "output"),
                        data.get("convention", "native"))
         except KeyError as e:

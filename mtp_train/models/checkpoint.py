@@ -29,30 +29,71 @@ GLOBAL_PARAMS: dict[str, list[Source]] = {
     "norm.weight": [("model.norm.weight", None)],
     "output.weight": [("lm_head.weight", None)],
 }
-LAYER_PARAMS: dict[str, list[Source]] = {
+_NORMS: dict[str, list[Source]] = {
     "attention_norm.weight": [("input_layernorm.weight", None)],
+    "ffn_norm.weight": [("post_attention_layernorm.weight", None)],
+}
+_ATTENTION: dict[str, list[Source]] = {
     "attention.wqkv.weight": [(f"self_attn.{x}_proj.weight", COLUMN) for x in "qkv"],
     "attention.wqkv.bias": [(f"self_attn.{x}_proj.bias", COLUMN) for x in "qkv"],
     "attention.wo.weight": [("self_attn.o_proj.weight", ROW)],
     "attention.wo_bias": [("self_attn.o_proj.bias", None)],
     "attention.q_norm.weight": [("self_attn.q_norm.weight", None)],
     "attention.k_norm.weight": [("self_attn.k_norm.weight", None)],
-    "ffn_norm.weight": [("post_attention_layernorm.weight", None)],
-    "feed_forward.w_gate_up.weight": [("mlp.gate_proj.weight", COLUMN), ("mlp.up_proj.weight", COLUMN)],
-    "feed_forward.w_gate_up.bias": [("mlp.gate_proj.bias", COLUMN), ("mlp.up_proj.bias", COLUMN)],
-    "feed_forward.w_down.weight": [("mlp.down_proj.weight", ROW)],
-    "feed_forward.w_down_bias": [("mlp.down_proj.bias", None)],
 }
+_LATENT_ATTENTION: dict[str, list[Source]] = {  # DeepSeek's MLA (models/mla.py); heads split by rows of q and kv_b
+    "attention.wq.weight": [("self_attn.q_proj.weight", COLUMN)],
+    "attention.wq_a.weight": [("self_attn.q_a_proj.weight", None)],
+    "attention.q_a_norm.weight": [("self_attn.q_a_layernorm.weight", None)],
+    "attention.wq_b.weight": [("self_attn.q_b_proj.weight", COLUMN)],
+    "attention.wkv_a.weight": [("self_attn.kv_a_proj_with_mqa.weight", None)],
+    "attention.kv_a_norm.weight": [("self_attn.kv_a_layernorm.weight", None)],
+    "attention.wkv_b.weight": [("self_attn.kv_b_proj.weight", COLUMN)],
+    "attention.wo.weight": [("self_attn.o_proj.weight", ROW)],
+}
+
+
+def _mlp(prefix: str, ours: str) -> dict[str, list[Source]]:
+    return {
+        f"{ours}w_gate_up.weight": [(f"{prefix}gate_proj.weight", COLUMN), (f"{prefix}up_proj.weight", COLUMN)],
+        f"{ours}w_gate_up.bias": [(f"{prefix}gate_proj.bias", COLUMN), (f"{prefix}up_proj.bias", COLUMN)],
+        f"{ours}w_down.weight": [(f"{prefix}down_proj.weight", ROW)],
+        f"{ours}w_down_bias": [(f"{prefix}down_proj.bias", None)],
+    }
+
+
+def _experts(num_experts: int) -> dict[str, list[Source]]:
+    """DeepSeek's MoE (models/moe.py): per-expert HF tensors stacked into one runtime tensor, expert-major."""
+    return {
+        "feed_forward.router.weight": [("mlp.gate.weight", None)],
+        "feed_forward.router.bias": [("mlp.gate.e_score_correction_bias", None)],
+        "feed_forward.w_gate_up": [(f"mlp.experts.{e}.{x}_proj.weight", COLUMN)
+                                   for e in range(num_experts) for x in ("gate", "up")],
+        "feed_forward.w_down": [(f"mlp.experts.{e}.down_proj.weight", ROW) for e in range(num_experts)],
+        **_mlp("mlp.shared_experts.", "feed_forward.shared."),
+    }
+
+
+def layer_params(cfg: ModelConfig, moe: bool = False) -> dict[str, list[Source]]:
+    """Runtime layer parameter (relative to the layer) -> its HF tensors, for a decoder layer of ``cfg``'s family,
+    with experts when ``moe``."""
+    table = {**_NORMS, **(_LATENT_ATTENTION if cfg.mla is not None else _ATTENTION)}
+    table.update(_experts(cfg.moe.num_experts) if moe and cfg.moe is not None else _mlp("mlp.", "feed_forward."))
+    return table
+
+
 _OURS_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+FLOAT32_PARAMS = ("router.weight", "router.bias")  # kept in float32 whatever the model's dtype, as HF keeps them
 
 
-def hf_sources(name: str) -> list[Source]:
+def hf_sources(name: str, cfg: ModelConfig) -> list[Source]:
     """The HF tensors (and their TP split) that make up runtime parameter ``name``."""
     if name in GLOBAL_PARAMS:
         return GLOBAL_PARAMS[name]
     m = _OURS_LAYER.match(name)
-    if m and m.group(2) in LAYER_PARAMS:
-        return [(f"model.layers.{m.group(1)}.{hf}", split) for hf, split in LAYER_PARAMS[m.group(2)]]
+    table = layer_params(cfg, cfg.is_moe_layer(int(m.group(1)))) if m else {}
+    if m and m.group(2) in table:
+        return [(f"model.layers.{m.group(1)}.{hf}", split) for hf, split in table[m.group(2)]]
     raise KeyError(name)
 
 
@@ -110,7 +151,7 @@ def load_transformer(
     state: dict[str, torch.Tensor] = {}
     try:
         for name in model.state_dict():
-            sources = hf_sources(name)
+            sources = hf_sources(name, cfg)
             if name == "output.weight" and "lm_head.weight" not in where and cfg.tie_word_embeddings:
                 sources = GLOBAL_PARAMS["tok_embeddings.weight"]
             parts = []
@@ -120,7 +161,8 @@ def load_transformer(
                 if where[hf] not in handles:
                     handles[where[hf]] = safe_open(where[hf], framework="pt")
                 parts.append(_read_shard(handles[where[hf]], hf, split, tp))
-            state[name] = (parts[0] if len(parts) == 1 else torch.cat(parts)).to(device=device, dtype=dtype)
+            keep = torch.float32 if name.endswith(FLOAT32_PARAMS) else dtype
+            state[name] = (parts[0] if len(parts) == 1 else torch.cat(parts)).to(device=device, dtype=keep)
     finally:
         handles.clear()
     if cfg.tie_word_embeddings and "lm_head.weight" not in where:
@@ -130,31 +172,36 @@ def load_transformer(
     return model.eval().requires_grad_(False)
 
 
-def _part_sizes(suffix: str, cfg: ModelConfig) -> list[int]:
-    """Row counts of the HF tensors fused into runtime layer parameter ``suffix`` (TP size 1)."""
+def _part_sizes(suffix: str, cfg: ModelConfig, rows: int, parts: int) -> list[int]:
+    """Row counts of the ``parts`` HF tensors fused into runtime layer parameter ``suffix`` (``rows`` rows, TP 1)."""
     if suffix.startswith("attention.wqkv"):
         return [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
-    if suffix.startswith("feed_forward.w_gate_up"):
-        return [cfg.intermediate_size, cfg.intermediate_size]
-    return [-1]
+    return [rows // parts] * parts  # gate|up, and stacked experts: equal parts
+
+
+def _is_moe(suffixes) -> bool:
+    return any(s.startswith("feed_forward.router.") for s in suffixes)
 
 
 def layer_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """One decoder layer's runtime tensors (names relative to the layer) -> HF names, unfused."""
+    table = layer_params(cfg, _is_moe(state))
     out = {}
     for suffix, tensor in state.items():
-        sources = LAYER_PARAMS[suffix]
-        parts = [tensor] if len(sources) == 1 else tensor.split(_part_sizes(suffix, cfg))
-        for (hf, _), part in zip(sources, parts):
+        sources = table[suffix]
+        parts = [tensor] if len(sources) == 1 else tensor.split(_part_sizes(suffix, cfg, tensor.shape[0], len(sources)))
+        for (hf, _), part in zip(sources, parts, strict=True):
             out[hf] = part.contiguous()
     return out
 
 
-def layer_from_hf(hf: dict[str, torch.Tensor], wanted: list[str], source: str) -> dict[str, torch.Tensor]:
+def layer_from_hf(hf: dict[str, torch.Tensor], wanted: list[str], source: str, cfg: ModelConfig
+                  ) -> dict[str, torch.Tensor]:
     """HF tensors of one decoder layer (names relative to the layer) -> the runtime tensors ``wanted``."""
+    table = layer_params(cfg, _is_moe(wanted))
     out = {}
     for suffix in wanted:
-        names = [name for name, _ in LAYER_PARAMS[suffix]]
+        names = [name for name, _ in table[suffix]]
         missing = [n for n in names if n not in hf]
         if missing:
             raise UserError(f"{source}: tensor {missing[0]!r} is missing")
@@ -162,11 +209,14 @@ def layer_from_hf(hf: dict[str, torch.Tensor], wanted: list[str], source: str) -
     return out
 
 
-def read_layer(root: Path, index: int, wanted: list[str]) -> dict[str, torch.Tensor]:
-    """Runtime tensors of the target's decoder layer ``index``, read selectively (fp32)."""
+def read_layer(root: Path, index: int, wanted: list[str], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Runtime tensors of the target's decoder layer ``index``, read selectively (fp32): those of ``wanted`` that a
+    layer of its type has (a MoE layer gives a dense head no MLP)."""
+    table = layer_params(cfg, cfg.is_moe_layer(index))
+    wanted = [w for w in wanted if w in table]
     prefix = f"model.layers.{index}."
-    names = sorted({prefix + hf for suffix in wanted for hf, _ in LAYER_PARAMS[suffix]})
+    names = sorted({prefix + hf for suffix in wanted for hf, _ in table[suffix]})
     ckpt = find_checkpoint(root)
     available = set(_weight_locations(ckpt))
     hf = read_tensors(root, [n for n in names if n in available], torch.float32)
-    return layer_from_hf({k.removeprefix(prefix): v for k, v in hf.items()}, wanted, str(root))
+    return layer_from_hf({k.removeprefix(prefix): v for k, v in hf.items()}, wanted, str(root), cfg)

@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over packed tokens and paged KV.
+"""The decoder (Llama 2/3, Mistral, Qwen2, Qwen3; DeepSeek-V2/V3 through ``mla.py`` and ``moe.py``) over packed
+tokens and paged KV.
 
 Every forward takes a flat batch: ``tokens [T]`` and ``positions [T]`` of all sequences
 concatenated, plus the step's attention plan. Family differences are options of one
@@ -10,42 +11,19 @@ of the MLP channels; the row-parallel projections are summed with an all-reduce.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from mtp_train.models.config import ModelConfig
+from mtp_train.models.mla import LatentAttention
+from mtp_train.models.moe import MoE
+from mtp_train.models.parts import AttentionPlan, CosSin, FeedForward, KVPages, RMSNorm
 from mtp_train.models.rope import RotaryEmbedding
 from mtp_train.models.tp import TensorParallel
 
-CosSin = tuple[torch.Tensor, torch.Tensor]  # RoPE cos and sin at each token's position
-KVPages = tuple[torch.Tensor, torch.Tensor]  # one layer's K and V pages
-
-
-class AttentionPlan(Protocol):
-    """One step's attention over paged KV, planned by the runtime's backend; the same plan serves every layer."""
-
-    def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
-    ) -> torch.Tensor:
-        """Store this step's ``k, v [T, Hkv, D]`` in the layer's pages, then attend: ``q [T, Hq, D]`` -> ``[T, Hq, D]``."""
-        ...
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op
-        # Low precision: statistics in fp32, then scale in the input dtype, as HF does.
-        normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
-        return self.weight * normed.to(x.dtype)
+__all__ = ["AttentionPlan", "CosSin", "DecoderLayer", "FeedForward", "KVPages", "RMSNorm", "Transformer"]
 
 
 class Attention(nn.Module):
@@ -77,28 +55,15 @@ class Attention(nn.Module):
         return out if self.wo_bias is None else out + self.wo_bias
 
 
-class FeedForward(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
-        super().__init__()
-        inter = cfg.intermediate_size // tp.size
-        self.tp = tp
-        self.w_gate_up = nn.Linear(cfg.hidden_size, 2 * inter, bias=cfg.mlp_bias)  # rows [gate | up]
-        self.w_down = nn.Linear(inter, cfg.hidden_size, bias=False)
-        self.w_down_bias = nn.Parameter(torch.zeros(cfg.hidden_size)) if cfg.mlp_bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w_gate_up(x).chunk(2, dim=-1)
-        out = self.tp.all_reduce(self.w_down(F.silu(gate) * up))
-        return out if self.w_down_bias is None else out + self.w_down_bias
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
+    """Pre-norm attention and MLP with residuals; DeepSeek's is latent attention, with experts when ``moe``."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, moe: bool = False) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attention = Attention(cfg, tp)
+        self.attention = LatentAttention(cfg, tp) if cfg.mla is not None else Attention(cfg, tp)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.feed_forward = FeedForward(cfg, tp)
+        self.feed_forward = MoE(cfg, tp) if moe else FeedForward(cfg, tp)
 
     def forward(self, x: torch.Tensor, cos_sin: CosSin, plan: AttentionPlan, kv: KVPages) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos_sin, plan, kv)
@@ -113,10 +78,12 @@ class Transformer(nn.Module):
         for n, what in ((cfg.num_heads, "attention heads"), (cfg.num_kv_heads, "KV heads")):
             tp.shard(n, what)
         tp.shard(cfg.intermediate_size, "MLP channels")
+        if cfg.moe is not None:
+            tp.shard(cfg.moe.intermediate_size, "expert channels")
         self.cfg = cfg
         self.tp = tp
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, cfg.is_moe_layer(i)) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope)

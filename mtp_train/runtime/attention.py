@@ -95,29 +95,49 @@ class TorchStep:
         k_flat, v_flat = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
         k_flat.index_copy_(0, self.slot_mapping, k.to(k_cache.dtype))
         v_flat.index_copy_(0, self.slot_mapping, v.to(v_cache.dtype))
+        return self._attend(q, k, v, lambda slots: (k_flat.index_select(0, slots), v_flat.index_select(0, slots)))
+
+    def attend_latent(
+        self, q: torch.Tensor, latent: torch.Tensor, cache: torch.Tensor, v_dim: int, scale: float
+    ) -> torch.Tensor:
+        """MLA in the absorbed form: ``q [T, H, D]`` against one shared ``latent [T, 1, D]`` per token, whose first
+        ``v_dim`` channels are also the value -> ``[T, H, v_dim]``, after writing ``latent`` to the cache."""
+        flat = cache.view(-1, *cache.shape[2:])
+        flat.index_copy_(0, self.slot_mapping, latent.to(cache.dtype))
+
+        def gather(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            g = flat.index_select(0, slots)
+            return g, g[..., :v_dim]
+
+        return self._attend(q, latent, latent[..., :v_dim], gather, scale)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gather, scale: float | None = None
+                ) -> torch.Tensor:
+        """SDPA of ``q [T, Hq, D]``: fresh prefills on this step's ``k``/``v [T, Hkv, D|Dv]``, the groups on what
+        ``gather(flat slots [N])`` reads from the pages (``[N, Hkv, D]`` and ``[N, Hkv, Dv]``) -> ``[T, Hq, Dv]``."""
         gqa = k.shape[1] != q.shape[1]
         parts: list[tuple[torch.Tensor | slice, torch.Tensor]] = []
         for s, e in self.fresh:
             # 4-D [1, H, L, D] inputs take SDPA's fused CPU kernel; 3-D ones do not.
             out = F.scaled_dot_product_attention(
                 q[None, s:e].transpose(1, 2), k[None, s:e].transpose(1, 2), v[None, s:e].transpose(1, 2),
-                is_causal=True, enable_gqa=gqa,
+                is_causal=True, enable_gqa=gqa, scale=scale,
             )
             parts.append((slice(s, e), out[0].transpose(0, 1)))
         for g in self.groups:
             q_g = q[g.rows] if isinstance(g.rows, slice) else q.index_select(0, g.rows)
             # index_select on the flat slots is several times faster than advanced indexing here.
-            shape = (*g.kv_slots.shape, *k_flat.shape[1:])
-            k_g = k_flat.index_select(0, g.kv_slots.view(-1)).view(shape)  # [G, L, Hkv, D]
-            v_g = v_flat.index_select(0, g.kv_slots.view(-1)).view(shape)
+            k_g, v_g = gather(g.kv_slots.view(-1))
+            k_g = k_g.view(*g.kv_slots.shape, *k_g.shape[1:])  # [G, L, Hkv, D]
+            v_g = v_g.reshape(*g.kv_slots.shape, *v_g.shape[1:])
             out = F.scaled_dot_product_attention(
                 q_g.view(-1, g.q_len, *q.shape[1:]).transpose(1, 2), k_g.transpose(1, 2).to(q.dtype),
-                v_g.transpose(1, 2).to(q.dtype), attn_mask=g.mask.to(q.dtype), enable_gqa=gqa,
+                v_g.transpose(1, 2).to(q.dtype), attn_mask=g.mask.to(q.dtype), enable_gqa=gqa, scale=scale,
             )
-            parts.append((g.rows, out.transpose(1, 2).reshape(-1, *q.shape[1:])))
+            parts.append((g.rows, out.transpose(1, 2).reshape(-1, q.shape[1], v.shape[-1])))
         if len(parts) == 1 and parts[0][1].shape[0] == self.num_tokens:
             return parts[0][1]
-        out = q.new_empty(q.shape)
+        out = q.new_empty((*q.shape[:2], v.shape[-1]))
         for where, part in parts:
             if isinstance(where, slice):
                 out[where] = part
@@ -153,9 +173,20 @@ _warned = False
 
 
 def select_backend(
-    name: str, device: torch.device, sliding_window: int | None, dtype: torch.dtype = torch.float32
+    name: str, device: torch.device, sliding_window: int | None, dtype: torch.dtype = torch.float32,
+    latent: bool = False,
 ) -> AttentionBackend:
-    """``auto`` picks flashinfer on CUDA when it is installed (the ``gpu`` extra), and torch otherwise."""
+    """``auto`` picks flashinfer on CUDA when it is installed (the ``gpu`` extra), and torch otherwise.
+
+    ``latent``: the model uses MLA (DeepSeek), whose paged latent attention only the torch backend implements.
+    """
+    if latent:
+        if name == "flashinfer":
+            from mtp_train.errors import UserError
+
+            raise UserError("target.attention_backend: flashinfer is not wired for MLA (DeepSeek) targets in this "
+                            "runtime; use torch or auto")
+        return TorchAttention(sliding_window)
     if name == "auto":
         name = "flashinfer" if device.type == "cuda" and _flashinfer_installed() else "torch"
     if name == "torch":

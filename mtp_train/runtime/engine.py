@@ -113,7 +113,7 @@ class Engine:
             num_pages = KVPool.pages_for_budget(self.cfg, page_size, kv_bytes, dtype, self.tp.size)
         self.allocator = PageAllocator(num_pages, page_size)
         self.kv = KVPool(self.cfg, self.allocator, dtype, self.device, self.tp.size)
-        self.backend = select_backend(backend, self.device, self.cfg.sliding_window, dtype)
+        self.backend = select_backend(backend, self.device, self.cfg.sliding_window, dtype, latent=self.cfg.mla is not None)
         self.max_batch_tokens = max_batch_tokens
         self.max_seqs = max_seqs
         self.stop_ids = stop_ids

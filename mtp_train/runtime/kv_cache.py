@@ -65,18 +65,24 @@ class PageAllocator:
 
 
 class KVPool:
-    """K and V pages of one model: ``k[layer]`` and ``v[layer]`` are ``[num_pages, page_size, kv_heads, head_dim]``."""
+    """K and V pages of one model: ``k[layer]`` and ``v[layer]`` are ``[num_pages, page_size, kv_heads, dim]``.
+
+    An MLA model (DeepSeek) caches one latent per token in ``k`` (``kv_heads`` 1, ``dim`` its latent and rope
+    key) and nothing in ``v`` (``dim`` 0): see ``ModelConfig.kv_entry``.
+    """
 
     def __init__(
         self, cfg: ModelConfig, allocator: PageAllocator, dtype: torch.dtype, device: torch.device, tp_size: int = 1
     ) -> None:
-        shape = (cfg.num_layers, allocator.num_pages, allocator.page_size, cfg.num_kv_heads // tp_size, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        heads, k_dim, v_dim = cfg.kv_entry(tp_size)
+        pages = (cfg.num_layers, allocator.num_pages, allocator.page_size, heads)
+        self.k = torch.zeros((*pages, k_dim), dtype=dtype, device=device)
+        self.v = torch.zeros((*pages, v_dim), dtype=dtype, device=device)
         self.layers = [(self.k[i], self.v[i]) for i in range(cfg.num_layers)]  # per-layer views
 
     @staticmethod
     def pages_for_budget(cfg: ModelConfig, page_size: int, bytes_budget: int, dtype: torch.dtype, tp_size: int) -> int:
         """How many pages of this model fit in ``bytes_budget``."""
-        per_page = 2 * cfg.num_layers * page_size * (cfg.num_kv_heads // tp_size) * cfg.head_dim * dtype.itemsize
+        heads, k_dim, v_dim = cfg.kv_entry(tp_size)
+        per_page = cfg.num_layers * page_size * heads * (k_dim + v_dim) * dtype.itemsize
         return max(1, bytes_budget // per_page)

@@ -171,7 +171,7 @@ def head_from_hf(spec: HeadSpec, tensors: dict[str, torch.Tensor], source: str) 
     for index, suffixes in wanted.items():
         prefix = f"layers.{index}."
         layer = {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
-        state.update({prefix + k: v for k, v in layer_from_hf(layer, suffixes, source).items()})
+        state.update({prefix + k: v for k, v in layer_from_hf(layer, suffixes, source, spec.target).items()})
     missing = sorted(set(head.state_dict()) - set(state))
     if missing:
         raise UserError(f"{source}: head tensor {missing[0]!r} is missing")

@@ -193,7 +193,7 @@ def run_train(recipe: Recipe) -> Path:
     torch.manual_seed(recipe.seed)
     head = build_head(spec)
     if recipe.head.init == "target_last_layer" and spec.kind == "mtp":  # not eagle: see HeadConfig.init
-        state = read_layer(recipe.target.path, frozen.cfg.num_layers - 1, list(_layer_suffixes(head)))
+        state = read_layer(recipe.target.path, frozen.cfg.num_layers - 1, list(_layer_suffixes(head)), frozen.cfg)
         for layer in head.layers:
             layer.load_state_dict({k: v for k, v in state.items() if k in layer.state_dict()}, strict=False)
     t = recipe.train

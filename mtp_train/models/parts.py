@@ -1,0 +1,64 @@
+"""Pieces every decoder module shares: RMSNorm, the step's attention plan, and the types passed between layers."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtp_train.models.config import ModelConfig
+from mtp_train.models.tp import TensorParallel
+
+CosSin = tuple[torch.Tensor, torch.Tensor]  # RoPE cos and sin at each token's position
+KVPages = tuple[torch.Tensor, torch.Tensor]  # one layer's K and V pages
+
+
+class AttentionPlan(Protocol):
+    """One step's attention over paged KV, planned by the runtime's backend; the same plan serves every layer."""
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """Store this step's ``k, v [T, Hkv, D]`` in the layer's pages, then attend: ``q [T, Hq, D]`` -> ``[T, Hq, D]``."""
+        ...
+
+    def attend_latent(
+        self, q: torch.Tensor, latent: torch.Tensor, cache: torch.Tensor, v_dim: int, scale: float
+    ) -> torch.Tensor:
+        """MLA: store ``latent [T, 1, D]`` in the layer's pages, then attend ``q [T, H, D]`` with the latents as keys and
+        their first ``v_dim`` channels as values, at softmax scale ``scale`` -> ``[T, H, v_dim]``."""
+        ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op
+        # Low precision: statistics in fp32, then scale in the input dtype, as HF does.
+        normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class FeedForward(nn.Module):
+    """The gated MLP; ``reduce=False`` leaves the all-reduce to the caller (DeepSeek's shared experts)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, intermediate: int | None = None,
+                 reduce: bool = True) -> None:
+        super().__init__()
+        inter = (intermediate or cfg.intermediate_size) // tp.size
+        self.tp = tp if reduce else TensorParallel()
+        self.w_gate_up = nn.Linear(cfg.hidden_size, 2 * inter, bias=cfg.mlp_bias)  # rows [gate | up]
+        self.w_down = nn.Linear(inter, cfg.hidden_size, bias=False)
+        self.w_down_bias = nn.Parameter(torch.zeros(cfg.hidden_size)) if cfg.mlp_bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w_gate_up(x).chunk(2, dim=-1)
+        out = self.tp.all_reduce(self.w_down(F.silu(gate) * up))
+        return out if self.w_down_bias is None else out + self.w_down_bias
