@@ -69,12 +69,16 @@ def _compare_id(recipe: Recipe, name: str) -> str:
     if name == "bigram":  # built from the training features
         manifest = recipe.features_dir / "manifest.json"
         return "bigram:" + (text_fingerprint(manifest.read_text()) if manifest.is_file() else "no features")
+    if name == "target_mtp":  # part of the target, whose fingerprint the eval's already holds
+        return "target_mtp"
     return _head_id(recipe.output_dir / "heads" / name, "eval.compare")
 
 
 def _draft_id(recipe: Recipe) -> str:
     if recipe.eval.draft_model is not None:
         return "draft_model:" + target_fingerprint(recipe.eval.draft_model)
+    if recipe.eval.draft == "target_mtp":
+        return "target_mtp"
     from mtp_train.train.trainer import head_dir
 
     return _head_id(head_dir(recipe), "head")
@@ -197,6 +201,8 @@ def _load(recipe: Recipe) -> tuple[Engine, Drafter, Any]:
     if recipe.eval.draft_model is not None:
         draft = load_transformer(recipe.eval.draft_model, dtype=dtype, device=device)
         return engine, DraftModelDrafter(engine, draft), None
+    if recipe.eval.draft == "target_mtp":
+        return engine, HeadDrafter(engine, _target_mtp(recipe, engine), "target_mtp"), None
 
     from mtp_train.train.trainer import head_dir, loss_weights
     from precompute.reader import FeatureReader
@@ -270,6 +276,8 @@ def _load_other(recipe: Recipe, engine: Engine, name: str):
         reader = FeatureReader(recipe.features_dir, target=recipe.target.path)
         tokens = [reader.load(ref)["input_ids"] for ref in reader.train]
         return BigramDrafter.from_tokens(tokens, engine.cfg.vocab_size)
+    if name == "target_mtp":
+        return _target_mtp(recipe, engine)
     root = recipe.output_dir / "heads" / name
     if not (root / "model.safetensors").is_file():
         raise UserError(f"eval.compare: no trained {name!r} head in {root}; run `mtp-train train` with it first")
@@ -280,7 +288,14 @@ def _other_drafter(engine: Engine, name: str, loaded) -> Drafter:
     """A comparison draft from what ``_load_other`` loaded."""
     from mtp_train.runtime.speculative import BigramDrafter
 
-    return BigramDrafter(engine, loaded) if name == "bigram" else HeadDrafter(engine, loaded)
+    return BigramDrafter(engine, loaded) if name == "bigram" else HeadDrafter(engine, loaded, name)
+
+
+def _target_mtp(recipe: Recipe, engine: Engine):
+    """The target checkpoint's own (first) MTP layer as a head."""
+    from mtp_train.train.checkpoint import load_target_mtp
+
+    return load_target_mtp(recipe.target.path, engine.cfg, target_fingerprint(recipe.target.path))
 
 
 # -- decoding ----------------------------------------------------------------------------------------------

@@ -8,9 +8,14 @@ Formats (``../shared/EXPORT.md``):
   neither the embedding nor an lm_head (the engine shares the target's).
 - ``sglang``, an ``eagle`` head: the same with ``LlamaForCausalLMEagle`` and an explicit zero ``fc.bias``, since
   SGLang builds ``fc`` with a bias and would otherwise leave it at its initial value.
-- an ``mtp`` head: vLLM and SGLang load MTP layers only in the DeepSeek layout of a DeepSeek-family target; for
-  the families this toolkit serves (Llama, Mistral, Qwen2, Qwen3) no engine has an MTP loader, so the export is
-  refused with a line that says what serves it (this runtime), rather than writing files that would load wrongly.
+- ``vllm`` and ``sglang``, an ``mtp`` head on a DeepSeek-V3-family target: the DeepSeek-V3 layout
+  (``heads/deepseek_layout.py``): ``model.layers.{L}.enorm / hnorm / eh_proj / shared_head.norm`` and the decoder
+  layer (MLA, and experts as the target's layer L would have them), with copies of the target's embedding and
+  lm_head (``embed_tokens``, ``shared_head.head``, which vLLM loads and SGLang skips); ``config.json`` is the
+  target's with ``num_nextn_predict_layers`` 1, which both engines turn into their MTP model. Both engines rewrite
+  only DeepSeek-V3-family configs into an MTP model, so an ``mtp`` head on any other family (DeepSeek-V2, Llama,
+  Mistral, Qwen2, Qwen3) is refused with a line that says what serves it (this runtime), rather than writing files
+  that would load wrongly.
 
 The export refuses, naming the difference, a head whose conventions (:mod:`mtp_train.heads.conventions`), target
 fingerprint or vocabulary differ from what the format's engine will run it with. It writes into a temporary
@@ -28,6 +33,8 @@ from safetensors.torch import save_file
 from eval.report import FILES, load_report
 from mtp_train.errors import UserError
 from mtp_train.heads.conventions import ENGINE_NAMES, LOADER_FAMILIES, choices, served_by
+from mtp_train.heads.deepseek_layout import SHARED_COPIES, to_deepseek
+from mtp_train.heads.frozen import FrozenTarget
 from mtp_train.io import fresh_dir, replace_dir, write_atomic, write_json_atomic
 from mtp_train.models.config import ModelConfig
 from mtp_train.recipe import Recipe
@@ -60,7 +67,12 @@ def export_head(recipe: Recipe, fmt: str, out: Path | None = None) -> Path:
     out = out or default_out(recipe, fmt)
     tmp = fresh_dir(out.with_name(f".{out.name}.tmp"))
     tensors = head_to_hf(head)
-    if fmt == "sglang":
+    if spec.kind == "mtp":
+        tensors = to_deepseek(tensors, target.num_layers)
+        frozen = FrozenTarget.load(recipe.target.path)
+        for name, weight in zip(SHARED_COPIES, (frozen.embed_weight, frozen.lm_head_weight)):
+            tensors[f"model.layers.{target.num_layers}.{name}"] = weight.clone()
+    elif fmt == "sglang":
         tensors["fc.bias"] = tensors["fc.weight"].new_zeros(tensors["fc.weight"].shape[0])
     save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
     trained = json.loads((root / "config.json").read_text(encoding="utf-8"))
@@ -78,8 +90,9 @@ def _check_servable(kind: str, head, family: str, fmt: str, root: Path) -> None:
         if kind == "mtp":
             raise UserError(f"{root}: an mtp head on a {family} target cannot be exported for {engine}: no serving "
                             "engine loads an MTP layer for this family (vLLM and SGLang serve DeepSeek-layout MTP "
-                            "layers only for DeepSeek-family targets); serve it with this runtime (`mtp-train eval`), "
-                            "or train head.kind=eagle to export for vLLM or SGLang")
+                            "layers only for DeepSeek-V3-family targets); serve it with this runtime (`mtp-train "
+                            "eval`)" + ("" if family.startswith("deepseek") else
+                                        ", or train head.kind=eagle to export for vLLM or SGLang"))
         raise UserError(f"{root}: {engine}'s EAGLE-1 loader builds a Llama decoder layer; a {family} target's head "
                         "(its decoder layer) would not load there as trained; serve it with this runtime "
                         "(`mtp-train eval`)")
@@ -92,9 +105,12 @@ def _config(target_config: dict, spec, fmt: str, trained: dict) -> dict:
     """The target's config made the head's (``num_hidden_layers``, ``architectures``, the weights' dtype), plus a
     record of how it was trained (``mtp_train``, ignored by the engines)."""
     config = {k: v for k, v in target_config.items() if k not in DROPPED_KEYS}
-    config.update(architectures=[ARCHITECTURES[fmt]], num_hidden_layers=spec.num_layers, torch_dtype="float32")
+    if spec.kind == "mtp":  # the target's config, its layers kept: the MTP layer is found at index num_hidden_layers
+        config.update(num_nextn_predict_layers=1, torch_dtype="float32")
+    else:
+        config.update(architectures=[ARCHITECTURES[fmt]], num_hidden_layers=spec.num_layers, torch_dtype="float32")
     config.pop("dtype", None)
-    if fmt == "sglang":
+    if fmt == "sglang" and spec.kind == "eagle":
         config["bias"] = True  # SGLang's fc bias flag; the exported bias is zero
     config["mtp_train"] = {"head_kind": spec.kind, "convention": spec.convention, "hidden_input": spec.hidden_input,
                            "feedback": spec.feedback, "zero_embed_at_position0": spec.zero_embed_at_position0,
@@ -129,7 +145,8 @@ def model_card(recipe: Recipe, spec, fmt: str, trained: dict) -> str:
         for p in sorted((p for p in report.sweep if p.temperature == 0), key=lambda p: p.k):
             mal = "—" if p.engine_acceptance is None else f"{p.engine_acceptance.mean_acceptance_length:.3f}"
             lines.append(f"| {p.k} | {p.tau:.3f} | {mal} |")
-    serve = {"vllm": ["```python", f'LLM(model="{recipe.target.path}", speculative_config={{"method": "eagle", '
+    method = "mtp" if spec.kind == "mtp" else "eagle"
+    serve = {"vllm": ["```python", f'LLM(model="{recipe.target.path}", speculative_config={{"method": "{method}", '
                                '"model": "THIS_DIR", "num_speculative_tokens": 3})', "```"],
              "sglang": ["```", f"python -m sglang.launch_server --model-path {recipe.target.path} "
                                "--speculative-algorithm EAGLE --speculative-draft-model-path THIS_DIR "

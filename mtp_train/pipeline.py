@@ -40,8 +40,10 @@ def _train(recipe: Recipe, **options) -> None:
 
 
 def head_kinds(recipe: Recipe) -> list[str]:
-    """``head.kind`` first, then the head kinds that ``eval.compare`` asks to compare against."""
-    return [recipe.head.kind] + [k for k in dict.fromkeys(recipe.eval.compare) if k not in ("bigram", recipe.head.kind)]
+    """``head.kind`` first (unless the eval's draft is the target's own MTP layer), then the head kinds that
+    ``eval.compare`` asks to compare against."""
+    first = [recipe.head.kind] if recipe.eval.draft == "head" else []
+    return first + [k for k in dict.fromkeys(recipe.eval.compare) if k in ("mtp", "eagle") and k not in first]
 
 
 def _eval(recipe: Recipe, baseline: Path | None = None, **options) -> None:

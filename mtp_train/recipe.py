@@ -213,12 +213,18 @@ class EvalConfig(Section):
     max_prompts: PositiveInt = Field(64, description="Prompts used per prompt set.")
     max_new_tokens: PositiveInt = Field(128, description="Tokens generated per prompt.")
     batch_size: PositiveInt = Field(8, description="Requests decoded concurrently (plain and speculative alike).")
+    draft: Literal["head", "target_mtp"] = Field(
+        "head", description="The draft to evaluate: `head`, the trained head; `target_mtp`, the target checkpoint's "
+        "own MTP layer (DeepSeek-V3/R1 layout, `num_nextn_predict_layers` >= 1), with no training (the `train` stage "
+        "then trains only the heads `eval.compare` names).",
+    )
     draft_model: RecipePath | None = Field(
         None, description="Evaluate draft-target decoding with this HF checkpoint as the draft, instead of the head."
     )
-    compare: list[Literal["mtp", "eagle", "bigram"]] = Field(
+    compare: list[Literal["mtp", "eagle", "bigram", "target_mtp"]] = Field(
         [], description="Other drafts decoded on the same prompts for comparison: head kinds (trained by the "
-        "`train` stage beside `head.kind`) and `bigram`, each token's most frequent successor in the features.",
+        "`train` stage beside `head.kind`), `bigram`, each token's most frequent successor in the features, and "
+        "`target_mtp`, the target checkpoint's own MTP layer.",
     )
     val_tolerance: NonNegativeFloat = Field(
         0.02, description="Largest relative gap between the runtime's and the trainer's validation loss (and "

@@ -34,7 +34,7 @@ FAMILY_OPTIONS = {
     "deepseek_v2": dict(
         **(_DEEPSEEK := dict(
             num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-            v_head_dim=128, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+            v_head_dim=128, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
             first_k_dense_replace=1, n_group=2, topk_group=1,
         )),
         topk_method="group_limited_greedy", routed_scaling_factor=1.5,
@@ -71,7 +71,7 @@ def save_random_model(family: str, root: Path, seed: int = 0, max_shard_size: st
                 p.normal_(0.0, 0.5)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek-V3: a correction that changes the choice
-                b.normal_(0.0, 0.3)
+                b.normal_(0.0, 0.5)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(root, **kwargs)
     return model

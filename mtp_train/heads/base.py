@@ -48,6 +48,7 @@ class HeadSpec:
     zero_embed_at_position0: bool
     feedback: str = "output"
     convention: str = "native"
+    moe: bool = False  # the decoder layer has the target's experts (DeepSeek: the layer type at index L, as its MTP)
 
     @property
     def choices(self) -> Choices:
@@ -61,7 +62,7 @@ class HeadSpec:
         try:
             spec = cls(data["kind"], int(data["num_layers"]), ModelConfig.from_json(data["target"]), data["target_fingerprint"],
                        data["hidden_input"], bool(data["zero_embed_at_position0"]), data.get("feedback", "output"),
-                       data.get("convention", "native"))
+                       data.get("convention", "native"), bool(data.get("moe", False)))
         except KeyError as e:
             raise UserError(f"{source}: not a head config (no {e.args[0]!r} field)") from None
         except (TypeError, ValueError) as e:
@@ -85,7 +86,7 @@ class DraftHead(nn.Module):
         super().__init__()
         self.spec = spec
         cfg = spec.target
-        self.layers = nn.ModuleList(DecoderLayer(cfg, TensorParallel()) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, TensorParallel(), spec.moe) for _ in range(spec.num_layers))
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope)
 
     def fuse(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -124,8 +125,10 @@ def head_spec(kind: str, num_layers: int, target: ModelConfig, fingerprint: str,
     if kind not in HEADS:
         raise UserError(f"head.kind: {kind!r} is not a head; choose one of {sorted(HEADS)}")
     c = choices(kind, convention)
+    # A DeepSeek head's layer is of the type the target would have at index L (its own MTP layer's): with experts
+    # past the dense first layers, so that the DeepSeek layout's loaders build it as trained.
     return HeadSpec(kind, num_layers, target, fingerprint, c.hidden_input, c.zero_embed_at_position0, c.feedback,
-                    convention)
+                    convention, target.is_moe_layer(target.num_layers))
 
 
 def build_head(spec: HeadSpec) -> DraftHead:

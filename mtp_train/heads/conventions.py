@@ -11,8 +11,8 @@
 | kind | convention | hidden_input | feedback | zero at 0 | served by |
 |---|---|---|---|---|---|
 | mtp | native | pre_norm | output | yes | this runtime |
-| mtp | vllm | post_norm | head_norm | yes | vLLM's DeepSeek MTP (DeepSeek-family targets), this runtime |
-| mtp | sglang | post_norm | head_norm | no | SGLang's DeepSeek NextN (DeepSeek-family targets), this runtime |
+| mtp | vllm | post_norm | head_norm | yes | vLLM's DeepSeek MTP (DeepSeek-V3-family targets), this runtime |
+| mtp | sglang | post_norm | head_norm | no | SGLang's DeepSeek NextN (DeepSeek-V3-family targets), this runtime |
 | eagle | any | post_norm | output | no | vLLM and SGLang EAGLE (Llama targets), this runtime |
 
 The trainer, the runtime's drafting and the eval read the choices from the head's ``config.json``, never from
@@ -58,8 +58,9 @@ def choices(kind: str, convention: str) -> Choices:
 
 # The target families whose heads of each kind an engine's loader builds as trained. Llama only for eagle: the family
 # whose export has been served and checked in vLLM (Mistral's sliding window and Qwen's biases and norms are not what
-# vLLM's EagleLlamaForCausalLM builds); DeepSeek only for mtp, the only layout vLLM and SGLang load MTP layers in.
-LOADER_FAMILIES = {"eagle": ("llama",), "mtp": ("deepseek_v2", "deepseek_v3")}
+# vLLM's EagleLlamaForCausalLM builds); DeepSeek-V3 only for mtp: vLLM and SGLang turn only DeepSeek-V3-family
+# configs into their MTP model (EXPORT.md 1.1), which reads the DeepSeek layout.
+LOADER_FAMILIES = {"eagle": ("llama",), "mtp": ("deepseek_v3",)}
 
 
 def served_by(kind: str, head: Choices, target_family: str) -> list[str]:
@@ -79,6 +80,6 @@ def validity_line(kind: str, head: Choices, target_family: str) -> str:
         return "Valid in this runtime only: its conventions differ from every engine's (train it with head.convention)."
     if kind == "mtp":
         return (f"Valid in this runtime only: no serving engine loads an MTP layer for a {target_family} target "
-                "(vLLM and SGLang serve DeepSeek-layout MTP layers for DeepSeek-family targets).")
+                "(vLLM and SGLang serve DeepSeek-layout MTP layers for DeepSeek-V3-family targets).")
     return (f"Valid in this runtime only: vLLM's and SGLang's EAGLE-1 loaders build a Llama decoder layer, not a "
             f"{target_family} target's.")

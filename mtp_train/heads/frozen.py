@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtp_train.hf_checkpoint import find_checkpoint
-from mtp_train.models.checkpoint import read_tensors
+from mtp_train.models.checkpoint import read_tensors, weight_locations
 from mtp_train.models.config import ModelConfig
 
 EMBED, NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
@@ -32,7 +32,7 @@ class FrozenTarget(nn.Module):
     def load(cls, root: Path, dtype: torch.dtype = torch.float32) -> FrozenTarget:
         ckpt = find_checkpoint(root)
         cfg = ModelConfig.from_hf(ckpt.config, str(root / "config.json"))
-        tied = cfg.tie_word_embeddings and LM_HEAD not in _names(ckpt)
+        tied = cfg.tie_word_embeddings and LM_HEAD not in weight_locations(ckpt)
         t = read_tensors(root, [EMBED, NORM] + ([] if tied else [LM_HEAD]), dtype)
         return cls(cfg, t[EMBED], t[NORM], t[EMBED] if tied else t[LM_HEAD])
 
@@ -48,12 +48,3 @@ class FrozenTarget(nn.Module):
         """``[T, H]`` lm_head inputs -> ``[T, vocab]`` float32 logits."""
         return F.linear(x, self.lm_head_weight).float()
 
-
-def _names(ckpt) -> set[str]:
-    from safetensors import safe_open
-
-    names: set[str] = set()
-    for path in ckpt.weight_files:
-        with safe_open(path, framework="pt") as f:
-            names |= set(f.keys())
-    return names

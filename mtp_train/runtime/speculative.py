@@ -155,8 +155,8 @@ class DraftModelDrafter(TokenDrafter):
 class HeadDrafter(Drafter):
     """MTP (or EAGLE): a trained head over the target's hidden states, embedding and lm_head."""
 
-    def __init__(self, engine: Engine, head: DraftHead) -> None:
-        self.name = head.spec.kind  # "mtp" or "eagle"
+    def __init__(self, engine: Engine, head: DraftHead, name: str | None = None) -> None:
+        self.name = name or head.spec.kind  # "mtp", "eagle", or "target_mtp" (a checkpoint's own MTP layer)
         on_leader = engine.tp.rank == 0
         self.head = (head.to(engine.device, engine.model.output.weight.dtype) if on_leader else head).eval()
         self.target = engine.model

@@ -22,9 +22,11 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from mtp_train.errors import UserError
-from mtp_train.heads.base import DraftHead, HeadSpec, build_head, load_head_config
+from mtp_train.heads.base import DraftHead, HeadSpec, build_head, head_spec, load_head_config
+from mtp_train.heads.deepseek_layout import from_deepseek
+from mtp_train.hf_checkpoint import find_checkpoint
 from mtp_train.io import fresh_dir, replace_dir, write_atomic, write_json_atomic
-from mtp_train.models.checkpoint import layer_from_hf, layer_to_hf
+from mtp_train.models.checkpoint import layer_from_hf, layer_to_hf, read_tensors, weight_locations
 from mtp_train.models.config import ModelConfig
 from precompute.manifest import target_fingerprint
 
@@ -229,3 +231,25 @@ def head_is_complete(root: Path, training_fingerprint: str) -> bool:
     except (OSError, ValueError, SafetensorError):
         return False
     return isinstance(config, dict) and config.get("training_fingerprint") == training_fingerprint
+
+
+def load_target_mtp(root: Path, cfg: ModelConfig, fingerprint: str, index: int = 0) -> DraftHead:
+    """MTP layer ``index`` of the checkpoint at ``root`` (target config ``cfg``) as a head (fp32, eval mode), in
+    the vLLM convention (the target's hidden state after its final norm, the state after ``shared_head.norm`` fed
+    back, the embedding zeroed at position 0), as DeepSeek's MTP layers are served."""
+    config = json.loads((root / "config.json").read_text(encoding="utf-8"))
+    n = int(config.get("num_nextn_predict_layers") or 0)
+    if not cfg.family.startswith("deepseek") or n == 0:
+        raise UserError(f"{root / 'config.json'}: eval.draft target_mtp needs a DeepSeek-V3-layout checkpoint with "
+                        f"num_nextn_predict_layers >= 1 (this one: model_type {cfg.family!r}, {n} MTP layers); "
+                        "train a head instead (eval.draft: head)")
+    if index >= n:
+        raise UserError(f"{root / 'config.json'}: MTP layer {index} asked for, the checkpoint has {n}")
+    layer = cfg.num_layers + index
+    prefix = f"model.layers.{layer}."
+    names = [k for k in weight_locations(find_checkpoint(root)) if k.startswith(prefix)]
+    if not names:
+        raise UserError(f"{root}: config.json says {n} MTP layer(s), but no tensor {prefix}* is in the checkpoint")
+    spec = head_spec("mtp", 1, cfg, fingerprint, "vllm")
+    tensors = from_deepseek(read_tensors(root, names, torch.float32), layer)
+    return head_from_hf(spec, tensors, f"{root} (MTP layer {prefix}*)").eval()
