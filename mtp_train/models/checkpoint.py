@@ -97,7 +97,7 @@ def hf_sources(name: str, cfg: ModelConfig) -> list[Source]:
     raise KeyError(name)
 
 
-def _weight_locations(ckpt: CheckpointFiles) -> dict[str, Path]:
+def weight_locations(ckpt: CheckpointFiles) -> dict[str, Path]:
     """Every tensor name in the checkpoint -> the file holding it (headers only)."""
     where: dict[str, Path] = {}
     for path in ckpt.weight_files:
@@ -110,7 +110,7 @@ def _weight_locations(ckpt: CheckpointFiles) -> dict[str, Path]:
 def read_tensors(root: Path, names: list[str], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Read only the HF tensors ``names`` from a checkpoint (single file or sharded index)."""
     ckpt = find_checkpoint(root)
-    where = _weight_locations(ckpt)
+    where = weight_locations(ckpt)
     out = {}
     for name in names:
         if name not in where:
@@ -146,7 +146,7 @@ def load_transformer(
         model = Transformer(cfg, tp)
     if torch.device(device).type == "meta":
         return model.eval().requires_grad_(False)
-    where = _weight_locations(ckpt)
+    where = weight_locations(ckpt)
     handles: dict[Path, object] = {}
     state: dict[str, torch.Tensor] = {}
     try:
@@ -217,6 +217,6 @@ def read_layer(root: Path, index: int, wanted: list[str], cfg: ModelConfig) -> d
     prefix = f"model.layers.{index}."
     names = sorted({prefix + hf for suffix in wanted for hf, _ in table[suffix]})
     ckpt = find_checkpoint(root)
-    available = set(_weight_locations(ckpt))
+    available = set(weight_locations(ckpt))
     hf = read_tensors(root, [n for n in names if n in available], torch.float32)
     return layer_from_hf({k.removeprefix(prefix): v for k, v in hf.items()}, wanted, str(root), cfg)
