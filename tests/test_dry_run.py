@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY_TARGET, assert_one_line_user_error, run_cli
+from conftest import REPO, TINY_TARGET, assert_one_line_user_error, run_cli
 from precompute_helpers import make_recipe, run_precompute_cli, sgd_rows, write_jsonl
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "shared" / "templates"
@@ -80,3 +80,24 @@ def test_slurm_refuses_the_template_before_anything_is_queued(tmp_path):
         proc = run_cli("slurm", recipe, "--cpu", *extra)
         assert_one_line_user_error(proc, "row 0", "data.chat_template")
         assert not list(tmp_path.rglob("*.sbatch"))
+
+
+def test_the_deepseek_v2_lite_recipe_dry_runs_from_its_shipped_config(tmp_path):
+    """The V2-Lite sample's dry run on a stand-in for its checkpoint: the real config.json (recipes/configs/), a weight
+    index whose file is empty (the dry run reads no weight) and the tiny target's tokenizer over one chat row. It exits
+    0 and prints the memory plan the recipe's comment states, with MLA's latent KV per token (27 layers x (512 + 64)
+    x 2 bytes), not a Llama-shaped 2 x heads x head_dim."""
+    recipe = REPO / "recipes" / "deepseek-v2-lite.yaml"
+    shutil.copy(REPO / "recipes" / "configs" / "deepseek-v2-lite" / "config.json", tmp_path / "config.json")
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "w.safetensors"}}))
+    (tmp_path / "w.safetensors").write_bytes(b"")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(TINY_TARGET / name, tmp_path / name)
+    chat = {"messages": [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "Hi."}]}
+    (tmp_path / "data.jsonl").write_text(json.dumps(chat) + "\n")
+    proc = run_cli(recipe, f"target.path={tmp_path}", f"data.train={tmp_path / 'data.jsonl'}", "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    memory = proc.stdout.split("memory per rank")[1].splitlines()[1:]
+    assert len(memory) == 2 and all(f"# {line}\n" in recipe.read_text() for line in memory)
+    assert "token slots of 31,104 B (MLA latent 512+64 x 27 layers, on every rank)" in memory[0]
+    assert all("fits" in line and "DOES NOT FIT" not in line for line in memory), memory

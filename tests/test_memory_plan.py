@@ -8,13 +8,20 @@ import re
 
 import torch
 
+import pytest
+
 from conftest import REPO, TINY_RECIPE, TINY_TARGET
-from mtp_train.memory import (H100_BYTES, head_activation_bytes_per_token, kv_bytes_per_token, memory_plan,
-                              plan_lines, target_weight_bytes)
+from hf_models import save_random_model
+from mtp_train.memory import (H100_BYTES, head_activation_bytes_per_token, head_activation_terms,
+                              head_parameter_count, kv_bytes_per_token, memory_plan, mla_head_saved_bytes, plan_lines,
+                              target_weight_bytes)
 from mtp_train.models.config import ModelConfig
 from mtp_train.recipe import load_recipe
 
-BIG = [("llama3.1-8b", "llama-3.1-8b"), ("llama3.3-70b", "llama-3.3-70b")]
+CONFIGS = REPO / "recipes" / "configs"
+BIG = [("llama3.1-8b", CONFIGS / "llama-3.1-8b.json"), ("llama3.3-70b", CONFIGS / "llama-3.3-70b.json"),
+       ("deepseek-v2-lite", CONFIGS / "deepseek-v2-lite" / "config.json")]
+V2_LITE = CONFIGS / "deepseek-v2-lite" / "config.json"
 
 
 def _config(path) -> ModelConfig:
@@ -62,7 +69,7 @@ def test_the_big_recipes_state_the_plan_the_code_computes_and_fit():
     for name, config in BIG:
         recipe_file = REPO / "recipes" / f"{name}.yaml"
         recipe = load_recipe(recipe_file)
-        cfg = _config(REPO / "recipes" / "configs" / f"{config}.json")
+        cfg = _config(config)
         comments = recipe_file.read_text()
         for line in plan_lines(cfg, recipe)[1:]:
             assert f"# {line}\n" in comments, f"{name}.yaml's memory comment is stale: {line}"
@@ -71,7 +78,7 @@ def test_the_big_recipes_state_the_plan_the_code_computes_and_fit():
 
 def test_a_batch_too_large_for_the_gpu_is_reported():
     recipe = load_recipe(REPO / "recipes" / "llama3.1-8b.yaml", ["train.batch_tokens=65536", "train.grad_accum=1"])
-    cfg = _config(REPO / "recipes" / "configs" / "llama-3.1-8b.json")
+    cfg = _config(CONFIGS / "llama-3.1-8b.json")
     runtime, train = memory_plan(cfg, recipe, H100_BYTES)
     assert runtime.fits and not train.fits
     assert "DOES NOT FIT" in train.line() and train.parts["activations"] > 80 * 2**30
@@ -82,3 +89,93 @@ def test_the_dry_run_prints_the_plan(cli):
     assert proc.returncode == 0, proc.stderr
     lines = [l for l in proc.stdout.splitlines() if re.match(r"\s+(precompute/eval|train)\s", l)]
     assert len(lines) == 2 and all("fits" in l for l in lines)
+
+
+@pytest.fixture(scope="module", params=["deepseek_v2", "deepseek_v3"])
+def deepseek(request, tmp_path_factory):
+    """A small random DeepSeek model saved by transformers (MLA; one dense layer, then experts with shared experts;
+    V3: a q LoRA and the router's correction bias), and its config."""
+    root = tmp_path_factory.mktemp(request.param)
+    hf = save_random_model(request.param, root)
+    return root, hf, _config(root / "config.json")
+
+
+def test_deepseek_weight_bytes_are_the_real_models_per_rank(deepseek):
+    """MLA's latent projection replicated and its heads split, every expert on every rank sliced by channel, the
+    router float32: the plan's bytes per rank are those of transformers' model and of the runtime's, at TP 1 and 2."""
+    from mtp_train.models.checkpoint import load_transformer
+    from mtp_train.models.tp import TensorParallel
+
+    root, hf, cfg = deepseek
+    assert cfg.mla is not None and cfg.moe is not None and cfg.moe.first_dense_layers == 1
+    real = sum(p.numel() for p in hf.parameters()) + sum(  # + V3's router bias, a buffer in HF
+        b.numel() for name, b in hf.named_buffers() if name.endswith("e_score_correction_bias"))
+    assert target_weight_bytes(cfg, 1, 4) == real * 4
+    for tp in (1, 2):
+        meta = load_transformer(root, device="meta", tp=TensorParallel(rank=0, size=tp))
+        assert target_weight_bytes(cfg, tp, 4) == sum(p.numel() for p in meta.parameters()) * 4
+        for rank in range(tp):  # loaded in bf16: the router stays float32
+            model = load_transformer(root, dtype=torch.bfloat16, tp=TensorParallel(rank=rank, size=tp))
+            assert target_weight_bytes(cfg, tp, 2) == sum(p.numel() * p.element_size() for p in model.parameters())
+    # The replicated latent projection is why TP 2 holds more than half.
+    assert target_weight_bytes(cfg, 2, 2) > target_weight_bytes(cfg, 1, 2) // 2
+
+
+def test_mla_kv_bytes_per_token_are_the_pools_latent(deepseek):
+    """One latent (kv_lora_rank + qk_rope_head_dim) per token and layer, the same on every TP rank, not
+    2 x heads x head_dim: what the engine's pool allocates and what ``KVPool.pages_for_budget`` sizes it by."""
+    from mtp_train.runtime.engine import Engine
+    from mtp_train.runtime.kv_cache import KVPool
+
+    root, _, cfg = deepseek
+    engine = Engine.from_pretrained(root, num_pages=10)
+    latent = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
+    assert latent == 512 + 64
+    per_token = kv_bytes_per_token(cfg, 1, 4)
+    assert per_token == cfg.num_layers * latent * 4 != 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+    assert per_token * 10 * engine.allocator.page_size == engine.kv.k.numel() * 4 + engine.kv.v.numel() * 4
+    lite = _config(V2_LITE)
+    for tp in (1, 2, 8):
+        per_token = kv_bytes_per_token(lite, tp, 2)
+        assert per_token == 27 * (512 + 64) * 2 == 31_104
+        for pages in (1, 1000):
+            budget = pages * 16 * per_token
+            assert KVPool.pages_for_budget(lite, 16, budget, torch.bfloat16, tp) == pages
+            assert KVPool.pages_for_budget(lite, 16, budget + 16 * per_token - 1, torch.bfloat16, tp) == pages
+
+
+def test_deepseek_head_parameters_are_its_layer_and_the_mtp_parts(deepseek):
+    """An ``mtp`` head on a DeepSeek target: one decoder layer of MLA with the MLP its spec asks for (the target's
+    dense MLP, or its experts when ``HeadSpec.moe``), the layer's two norms, and enorm, hnorm, eh_proj and
+    shared_head.norm; the layer's count is that of transformers' layer of the same kind."""
+    from mtp_train.heads import head_spec
+
+    _, hf, cfg = deepseek
+    recipe = load_recipe(TINY_RECIPE)
+    moe = getattr(head_spec("mtp", 1, cfg, "x"), "moe", False)
+    layer = hf.model.layers[1 if moe else 0]  # layer 0 is dense (first_k_dense_replace 1), the others have experts
+    h = cfg.hidden_size
+    expected = sum(p.numel() for p in layer.parameters()) + 3 * h + 2 * h * h
+    expected += sum(b.numel() for name, b in layer.named_buffers() if name.endswith("e_score_correction_bias"))
+    assert head_parameter_count(recipe, cfg) == expected
+
+
+def test_mla_head_activations_are_what_autograd_saves_on_a_real_forward(deepseek):
+    """The MLA head's attention keeps SDPA's math-kernel saves, quadratic in each document's length: the two terms
+    measured on the meta device predict what a real CPU forward over several packed documents keeps."""
+    _, _, cfg = deepseek
+    recipe = load_recipe(TINY_RECIPE)
+    linear, quadratic = head_activation_terms(recipe, cfg)
+    assert head_activation_bytes_per_token(recipe, cfg) == linear > cfg.hidden_size * 4
+    assert quadratic == cfg.num_heads * 4  # the [heads, L, L] softmax in fp32, counted once per storage
+    cu = [0, 96, 256, 300]
+    real = mla_head_saved_bytes(recipe, cfg, cu, device="cpu")
+    assert real == linear * cu[-1] + quadratic * sum((e - s) ** 2 for s, e in zip(cu, cu[1:]))
+
+
+def test_the_memory_module_plans_a_deepseek_recipe_from_its_config_alone(capsys):
+    from mtp_train.memory import main
+
+    assert main([str(REPO / "recipes" / "deepseek-v2-lite.yaml"), str(V2_LITE)]) == 0
+    out = capsys.readouterr().out
+    assert "weights 29.3 " in out and "31,104 B (MLA latent 512+64 x 27 layers" in out and "DOES NOT FIT" not in out

@@ -81,8 +81,12 @@ class KVPool:
         self.layers = [(self.k[i], self.v[i]) for i in range(cfg.num_layers)]  # per-layer views
 
     @staticmethod
+    def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, tp_size: int) -> int:
+        """What one token slot of this pool takes on one rank, all layers."""
+        heads, k_dim, v_dim = cfg.kv_entry(tp_size)
+        return cfg.num_layers * heads * (k_dim + v_dim) * dtype.itemsize
+
+    @staticmethod
     def pages_for_budget(cfg: ModelConfig, page_size: int, bytes_budget: int, dtype: torch.dtype, tp_size: int) -> int:
         """How many pages of this model fit in ``bytes_budget``."""
-        heads, k_dim, v_dim = cfg.kv_entry(tp_size)
-        per_page = cfg.num_layers * page_size * heads * (k_dim + v_dim) * dtype.itemsize
-        return max(1, bytes_budget // per_page)
+        return max(1, bytes_budget // (page_size * KVPool.bytes_per_token(cfg, dtype, tp_size)))
