@@ -131,8 +131,9 @@ def run_eval(recipe: Recipe, baseline: Path | None = None) -> Path:
     replies: dict[tuple[int, float], list[list[int]]] = {}  # (k, T) -> the head's output tokens per prompt
     sweep = _sweep(engine, drafter, prompts, token_ids, plain, e.k, checks, replies)
     comparisons = []
+    vocab = drafter.vocab if isinstance(drafter, HeadDrafter) else draft_vocab(recipe, engine.cfg.vocab_size)
     for name in e.compare:
-        other = _other_drafter(engine, name, others[name])
+        other = _other_drafter(engine, name, others[name], vocab)
         points = _sweep(engine, other, prompts, token_ids, plain, e.k, checks)
         comparisons.append(Comparison(name=name, sweep=points))
     verdict = summarize(checks, check_name(engine))
@@ -201,15 +202,16 @@ def _load(recipe: Recipe) -> tuple[Engine, Drafter, Any]:
     if recipe.eval.draft_model is not None:
         draft = load_transformer(recipe.eval.draft_model, dtype=dtype, device=device)
         return engine, DraftModelDrafter(engine, draft), None
+    vocab = draft_vocab(recipe, engine.cfg.vocab_size)
     if recipe.eval.draft == "target_mtp":
-        return engine, HeadDrafter(engine, _target_mtp(recipe, engine), "target_mtp"), None
+        return engine, HeadDrafter(engine, _target_mtp(recipe, engine), "target_mtp", vocab), None
 
     from mtp_train.train.trainer import head_dir, loss_weights
     from precompute.reader import FeatureReader
 
     root = head_dir(recipe)
     head = load_trained_head(root, recipe.target.path, engine.cfg)
-    drafter = HeadDrafter(engine, head)
+    drafter = HeadDrafter(engine, head, vocab=vocab)
     trainer_numbers = json.loads((root / "config.json").read_text()).get("validation", {})
     reader = FeatureReader(recipe.features_dir, target=recipe.target.path)  # its shards checked now, read at the end
 
@@ -284,11 +286,27 @@ def _load_other(recipe: Recipe, engine: Engine, name: str):
     return load_trained_head(root, recipe.target.path, engine.cfg)
 
 
-def _other_drafter(engine: Engine, name: str, loaded) -> Drafter:
-    """A comparison draft from what ``_load_other`` loaded."""
+def _other_drafter(engine: Engine, name: str, loaded, vocab: torch.Tensor | None) -> Drafter:
+    """A comparison draft from what ``_load_other`` loaded; heads draft from ``vocab`` (``eval.draft_vocab``)."""
     from mtp_train.runtime.speculative import BigramDrafter
 
-    return BigramDrafter(engine, loaded) if name == "bigram" else HeadDrafter(engine, loaded, name)
+    return BigramDrafter(engine, loaded) if name == "bigram" else HeadDrafter(engine, loaded, name, vocab)
+
+
+def draft_vocab(recipe: Recipe, vocab_size: int) -> torch.Tensor | None:
+    """``[N]`` ascending target ids of the ``eval.draft_vocab`` most frequent assistant tokens (``loss_mask`` 1) of
+    the training features, ties to the smaller id; None for the full vocabulary."""
+    from precompute.reader import FeatureReader
+
+    n = recipe.eval.draft_vocab
+    if n is None or n >= vocab_size:
+        return None
+    reader = FeatureReader(recipe.features_dir, target=recipe.target.path)
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for ref in reader.train:
+        rows = reader.load(ref)
+        counts += torch.bincount(rows["input_ids"].long()[rows["loss_mask"].bool()], minlength=vocab_size)
+    return torch.argsort(counts, descending=True, stable=True)[:n].sort().values
 
 
 def _target_mtp(recipe: Recipe, engine: Engine):

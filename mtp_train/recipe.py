@@ -221,6 +221,11 @@ class EvalConfig(Section):
     draft_model: RecipePath | None = Field(
         None, description="Evaluate draft-target decoding with this HF checkpoint as the draft, instead of the head."
     )
+    draft_vocab: PositiveInt | None = Field(
+        None, description="Heads draft from the N most frequent assistant tokens of the training features only: "
+        "their lm_head is those N rows of the frozen one, so a draft step reads N rows instead of the vocabulary's "
+        "(verification, and so the output, is unchanged). Null: the full vocabulary.",
+    )
     compare: list[Literal["mtp", "eagle", "bigram", "target_mtp"]] = Field(
         [], description="Other drafts decoded on the same prompts for comparison: head kinds (trained by the "
         "`train` stage beside `head.kind`), `bigram`, each token's most frequent successor in the features, and "

@@ -136,3 +136,49 @@ def test_a_broken_acceptance_rule_is_counted_as_greedy_violations(prompts, monke
     decoder = SpeculativeDecoder(engine, HeadDrafter(engine, _random_head(engine)), 3)
     decoder.generate(prompts[:4], GREEDY)
     assert decoder.greedy_violations > 0
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_a_draft_vocabulary_keeps_decoding_lossless(prompts, reference, trained_run, k):
+    """eval.draft_vocab: the head drafts from 512 ids only (rows of the frozen lm_head), never outside them, and
+    greedy decoding is unchanged."""
+    head = load_head(trained_run.parent / "run" / "heads" / "mtp")
+    vocab = torch.arange(0, 4096, 8)  # 512 ids
+    seen: list[int] = []
+
+    class Watched(HeadDrafter):
+        def logits(self, out):
+            logits = super().logits(out)
+            seen.extend(logits.argmax(-1).tolist())
+            return logits
+
+    def drafter(engine):
+        d = Watched(engine, head, vocab=vocab)
+        x = torch.randn(3, engine.cfg.hidden_size)
+        restricted = d.logits(x)
+        assert torch.isinf(restricted[:, [1, 2, 3]]).all(), "ids outside the vocabulary get probability 0"
+        assert torch.allclose(restricted[:, vocab], HeadDrafter(engine, head).logits(x)[:, vocab]), "lm_head rows"
+        seen.clear()
+        return d
+
+    out = decode(prompts[:8], drafter, k, 8)
+    assert [r.tokens for r in out] == reference[:8]
+    assert seen and set(seen) <= set(vocab.tolist())
+
+
+def test_the_draft_vocabulary_is_the_most_frequent_assistant_tokens(trained_run):
+    from eval.run import draft_vocab
+    from mtp_train.recipe import load_recipe
+    from precompute.reader import FeatureReader
+
+    recipe = load_recipe(trained_run, [f"eval.draft_vocab={64}"])
+    vocab = draft_vocab(recipe, 4096)
+    assert vocab.shape == (64,) and torch.equal(vocab, vocab.sort().values)
+    reader = FeatureReader(recipe.features_dir)
+    counts = Counter()
+    for ref in reader.train:
+        rows = reader.load(ref)
+        counts.update(rows["input_ids"][rows["loss_mask"].bool()].tolist())
+    kth = sorted(counts.values(), reverse=True)[63]
+    assert all(counts[t] >= kth for t in vocab.tolist())
+    assert draft_vocab(load_recipe(trained_run, []), 4096) is None

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from mtp_train.errors import UserError
 from mtp_train.heads.base import DraftHead
@@ -155,11 +156,16 @@ class DraftModelDrafter(TokenDrafter):
 class HeadDrafter(Drafter):
     """MTP (or EAGLE): a trained head over the target's hidden states, embedding and lm_head."""
 
-    def __init__(self, engine: Engine, head: DraftHead, name: str | None = None) -> None:
+    def __init__(self, engine: Engine, head: DraftHead, name: str | None = None,
+                 vocab: torch.Tensor | None = None) -> None:
+        """``vocab [N]``: the target ids the head may draft (``eval.draft_vocab``); its logits are then the N rows
+        of the frozen lm_head, the rest of the vocabulary at -inf (probability 0 in the draft distribution)."""
         self.name = name or head.spec.kind  # "mtp", "eagle", or "target_mtp" (a checkpoint's own MTP layer)
         on_leader = engine.tp.rank == 0
         self.head = (head.to(engine.device, engine.model.output.weight.dtype) if on_leader else head).eval()
         self.target = engine.model
+        self.vocab = None if vocab is None else vocab.to(engine.device)
+        self.vocab_rows = None if vocab is None else engine.model.output.weight[self.vocab].contiguous()  # [N, H]
         super().__init__(engine, len(head.layers), engine.model.output.weight.dtype, None)
 
     def kv_config(self):
@@ -181,7 +187,11 @@ class HeadDrafter(Drafter):
         return self.head.run(self.target.tok_embeddings(tokens), hidden, positions, plan, self.kv.layers)
 
     def logits(self, out):
-        return self.target.output(self.head.lm_head_input(out)).float()
+        x = self.head.lm_head_input(out)
+        if self.vocab is None:
+            return self.target.output(x).float()
+        full = x.new_full((x.shape[0], self.target.cfg.vocab_size), float("-inf"), dtype=torch.float32)
+        return full.index_copy_(1, self.vocab, F.linear(x, self.vocab_rows).float())
 
     def feedback(self, out):
         return self.head.feedback_state(out)
