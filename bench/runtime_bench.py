@@ -1,22 +1,37 @@
-"""Runtime throughput against transformers, measured side by side in one run (CPU, fp32).
+"""Runtime throughput against transformers, and against vLLM's CPU build when ``.venv-vllm`` exists, side by side.
 
-    .venv/bin/python bench/runtime_bench.py [--smollm2] [--only-smollm2]
+    .venv/bin/python bench/runtime_bench.py [--repeats 5] [--threads 1 2] [--new-tokens 64] [--skip tiny,vllm,...]
 
-1. Packed ``score()`` tokens/s vs a padded transformers forward over the same sequences,
-   on the tiny target and on a random Llama (hidden 512, 8 layers).
-2. Greedy decode tokens/s vs ``transformers.generate`` at batch 1 and 8 on the tiny target.
-3. With ``--smollm2``: both again on the real SmolLM2-135M-Instruct (``make smollm2`` fetches it).
+Rows (each at every ``--threads`` count):
 
-Each figure is the best of ``--repeats`` runs, interleaved with the other side's, so a noisy
-neighbour on a shared machine hurts both alike; only the ratios are meant to be compared.
+- ``score()``: packed teacher-forced scoring vs a padded transformers forward over the same sequences (tiny target,
+  a random Llama h512 x 8 layers, and SmolLM2-135M-Instruct when ``make smollm2`` has fetched it);
+- greedy decode at batch 1 and 8 vs ``transformers.generate`` (tiny target on random prompts; SmolLM2 on 12
+  MT-bench prompts through its chat template), outputs compared token for token;
+- SmolLM2 draft-target decoding at batch 1, k = 2, with SmolLM2 as its own draft (so every draft is accepted and
+  the row measures the machinery) vs transformers' assisted generation with the same assistant;
+- vLLM's CPU build, plain greedy decode of the same SmolLM2 prompts at batch 1 and 8, in its own process.
+
+**Trustworthy on a shared 2-core machine:** every side gets an untimed warm-up; the repetitions of the two sides
+interleave (the order alternating), so that drift hits both alike; each side's figure is the median of its
+repetitions with their [min, max]; the ratio is the median of the per-repetition ratios with [min, max]. When a
+side's repetitions spread by more than 20% of their median, the row says so instead of giving a ratio. The load
+average is recorded before and after each row. vLLM runs in another process (its own torch), so its repetitions
+cannot interleave with ours: its row compares medians, and says so.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -24,131 +39,265 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "recipes" / "tiny" / "target"
 SMOLLM2 = REPO / ".cache" / "smollm2-135m-instruct"
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+UNSTABLE = 0.20  # a side whose repetitions spread more than this (of its median) gets no ratio
 
 
-def paired_best(repeats: int, ours: Callable[[], object], reference: Callable[[], object]) -> tuple[float, float]:
-    """Best wall time of each side, runs interleaved so that drift on a shared machine hits both alike."""
+@dataclass
+class Row:
+    what: str
+    threads: int
+    ours: list[float]  # tokens/s per repetition
+    ref: list[float]
+    ref_name: str
+    identical: str = ""
+    load: str = ""
+    interleaved: bool = True
+    outputs: list[list[int]] = field(default_factory=list)  # our tokens per prompt (decode rows)
+
+    def cells(self) -> list[str]:
+        def fig(xs: list[float]) -> str:
+            return f"{statistics.median(xs):,.1f} [{min(xs):,.1f}, {max(xs):,.1f}]"
+
+        def spread(xs: list[float]) -> float:
+            return (max(xs) - min(xs)) / statistics.median(xs)
+
+        noisy = [f"{name} ±{100 * spread(xs) / 2:.0f}%" for name, xs in (("ours", self.ours), (self.ref_name, self.ref))
+                 if spread(xs) > UNSTABLE]
+        if noisy:
+            ratio = "unstable: " + ", ".join(noisy)
+        elif self.interleaved:
+            pairs = [a / b for a, b in zip(self.ours, self.ref)]
+            ratio = f"**{statistics.median(pairs):.2f}x** [{min(pairs):.2f}, {max(pairs):.2f}]"
+        else:
+            ratio = f"**{statistics.median(self.ours) / statistics.median(self.ref):.2f}x** (medians)"
+        return [self.what, str(self.threads), fig(self.ours), f"{self.ref_name}: {fig(self.ref)}", ratio,
+                self.identical, self.load]
+
+
+def load() -> str:
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def interleaved(repeats: int, ours: Callable[[], object], reference: Callable[[], object]) -> tuple[list[float], list[float]]:
+    """Wall times of ``repeats`` runs of each side after one untimed warm-up each, alternating which goes first."""
     ours()
-    reference()  # warm-up
+    reference()
     t_ours, t_ref = [], []
-    for _ in range(repeats):
-        for fn, times in ((ours, t_ours), (reference, t_ref)):
+    for r in range(repeats):
+        sides = [(ours, t_ours), (reference, t_ref)]
+        for fn, times in sides if r % 2 == 0 else sides[::-1]:
             start = time.perf_counter()
             fn()
             times.append(time.perf_counter() - start)
-    return min(t_ours), min(t_ref)
+    return t_ours, t_ref
 
 
 def random_llama(root: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
-        num_key_value_heads=4, max_position_embeddings=2048,
-    )
+    config = LlamaConfig(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048)
     LlamaForCausalLM(config).save_pretrained(root)
     return root
 
 
-def lengths(n: int, lo: int, hi: int, seed: int) -> list[int]:
+def random_prompts(n: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(lo, hi, (n,), generator=g).tolist()
+    return [torch.randint(0, 4000, (int(m),), generator=g).tolist() for m in torch.randint(16, 128, (n,), generator=g)]
 
 
-def bench_score(root: Path, name: str, repeats: int) -> tuple[str, float, float]:
+def mt_bench_prompts(root: Path, n: int = 12) -> list[list[int]]:
+    """The first turns of ``n`` MT-bench prompts (category-stratified, as the eval takes them) through the chat template."""
+    from transformers import AutoTokenizer
+
+    from eval.prompts import load_prompt_set, render_prompt
+
+    tok = AutoTokenizer.from_pretrained(root)
+    return [render_prompt(tok, p.messages) for p in load_prompt_set("mt_bench", max_prompts=n, seed=0)]
+
+
+def left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p):] = torch.tensor(p)
+        mask[b, width - len(p):] = 1
+    return ids, mask
+
+
+def bench_score(root: Path, name: str, repeats: int, threads: int) -> Row:
     from transformers import AutoModelForCausalLM
 
     from mtp_train.runtime.engine import Engine
 
     g = torch.Generator().manual_seed(1)
-    seqs = [torch.randint(0, 4000, (n,), generator=g).tolist() for n in lengths(16, 64, 512, seed=2)]
+    seqs = [torch.randint(0, 4000, (int(n),), generator=g).tolist() for n in torch.randint(64, 512, (16,), generator=g)]
     tokens = sum(map(len, seqs))
     engine = Engine.from_pretrained(root, max_batch_tokens=4096)
     hf = AutoModelForCausalLM.from_pretrained(root, dtype=torch.float32).eval()
-
-    def ours() -> None:
-        engine.score(seqs, layers=[-1], topk=32)
+    batches, i = [], 0  # the runtime's token budget per forward; transformers pads each batch to its longest
+    while i < len(seqs):
+        j, total = i, 0
+        while j < len(seqs) and (j == i or total + len(seqs[j]) <= 4096):
+            total, j = total + len(seqs[j]), j + 1
+        batches.append(left_padded(seqs[i:j], 0))
+        i = j
 
     def reference() -> None:
-        # The same token budget per forward as the runtime: batches of sequences padded to the longest.
         with torch.inference_mode():
-            i = 0
-            while i < len(seqs):
-                j, total = i, 0
-                while j < len(seqs) and (j == i or total + len(seqs[j]) <= 4096):
-                    total += len(seqs[j])
-                    j += 1
-                batch = seqs[i:j]
-                width = max(map(len, batch))
-                ids = torch.zeros(len(batch), width, dtype=torch.long)
-                mask = torch.zeros(len(batch), width, dtype=torch.long)
-                for b, s in enumerate(batch):
-                    ids[b, : len(s)] = torch.tensor(s)
-                    mask[b, : len(s)] = 1
+            for ids, mask in batches:
                 hf(input_ids=ids, attention_mask=mask)
-                i = j
 
-    t_ours, t_ref = paired_best(repeats, ours, reference)
-    return name, tokens / t_ours, tokens / t_ref
+    before = load()
+    t_ours, t_ref = interleaved(repeats, lambda: engine.score(seqs, layers=[-1], topk=32), reference)
+    return Row(name, threads, [tokens / t for t in t_ours], [tokens / t for t in t_ref], "transformers",
+               load=f"{before} → {load()}")
 
 
-def bench_decode(root: Path, name: str, batch: int, repeats: int, new_tokens: int = 64) -> tuple[str, float, float]:
+def bench_decode(root: Path, name: str, prompts: list[list[int]], batch: int, new_tokens: int, repeats: int,
+                 threads: int) -> Row:
+    """Plain greedy decode of ``prompts``, ``batch`` at a time on both sides, exactly ``new_tokens`` each."""
     from transformers import AutoModelForCausalLM
 
     from mtp_train.runtime.engine import Engine
     from mtp_train.runtime.sampling import SamplingParams
 
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 4000, (n,), generator=g).tolist() for n in lengths(batch, 16, 128, seed=4)]
-    engine = Engine.from_pretrained(root, dtype=torch.float32)
+    engine = Engine.from_pretrained(root)
     hf = AutoModelForCausalLM.from_pretrained(root, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None
     params = SamplingParams(max_new_tokens=new_tokens, stop_token_ids=())
-    width = max(map(len, prompts))
-    ids = torch.zeros(batch, width, dtype=torch.long)
-    mask = torch.zeros(batch, width, dtype=torch.long)
-    for b, p in enumerate(prompts):  # left padding, as generate expects
-        ids[b, width - len(p) :] = torch.tensor(p)
-        mask[b, width - len(p) :] = 1
+    groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+    outputs: dict[str, list[list[int]]] = {}
 
     def ours() -> None:
-        engine.generate(prompts, params)
+        outputs["ours"] = [r.tokens for group in groups for r in engine.generate(group, params)]
 
     def reference() -> None:
+        out = []
         with torch.inference_mode():
-            hf.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens, pad_token_id=2)
+            for group in groups:
+                ids, mask = left_padded(group, 0)
+                gen = hf.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
+                                  min_new_tokens=new_tokens, pad_token_id=0, eos_token_id=None)
+                out += gen[:, ids.shape[1]:].tolist()
+        outputs["ref"] = out
 
-    t_ours, t_ref = paired_best(repeats, ours, reference)
-    generated = batch * new_tokens
-    return f"greedy decode, {name}, batch {batch}", generated / t_ours, generated / t_ref
+    before = load()
+    t_ours, t_ref = interleaved(repeats, ours, reference)
+    n = len(prompts) * new_tokens
+    same = sum(a == b for a, b in zip(outputs["ours"], outputs["ref"]))
+    return Row(f"greedy decode, {name}, batch {batch}", threads, [n / t for t in t_ours], [n / t for t in t_ref],
+               "transformers", f"{same}/{len(prompts)}", f"{before} → {load()}", outputs=outputs["ours"])
+
+
+def bench_draft_target(root: Path, prompts: list[list[int]], new_tokens: int, repeats: int, threads: int) -> Row:
+    """Batch 1, k = 2, the target as its own draft, against transformers' assisted generation."""
+    from transformers import AutoModelForCausalLM
+
+    from mtp_train.models.checkpoint import load_transformer
+    from mtp_train.runtime.engine import Engine
+    from mtp_train.runtime.sampling import SamplingParams
+    from mtp_train.runtime.speculative import DraftModelDrafter, SpeculativeDecoder
+
+    engine = Engine.from_pretrained(root)
+    decoder = SpeculativeDecoder(engine, DraftModelDrafter(engine, load_transformer(root)), 2)
+    hf = AutoModelForCausalLM.from_pretrained(root, dtype=torch.float32).eval()
+    assistant = AutoModelForCausalLM.from_pretrained(root, dtype=torch.float32).eval()
+    assistant.generation_config.num_assistant_tokens = 2
+    assistant.generation_config.num_assistant_tokens_schedule = "constant"
+    params = SamplingParams(max_new_tokens=new_tokens, stop_token_ids=())
+    outputs: dict[str, list[list[int]]] = {}
+
+    def ours() -> None:
+        outputs["ours"] = [decoder.generate([p], params)[0].tokens for p in prompts]
+
+    def reference() -> None:
+        out = []
+        with torch.inference_mode():
+            for p in prompts:
+                ids = torch.tensor([p])
+                gen = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), assistant_model=assistant,
+                                  do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                  pad_token_id=0, eos_token_id=None)
+                out.append(gen[0, len(p):].tolist())
+        outputs["ref"] = out
+
+    before = load()
+    t_ours, t_ref = interleaved(repeats, ours, reference)
+    n = len(prompts) * new_tokens
+    same = sum(a == b for a, b in zip(outputs["ours"], outputs["ref"]))
+    return Row(f"draft-target k = 2 (SmolLM2 drafting itself), batch 1", threads, [n / t for t in t_ours],
+               [n / t for t in t_ref], "transformers assisted", f"{same}/{len(prompts)}", f"{before} → {load()}")
+
+
+def vllm_decode(root: Path, prompts: list[list[int]], new_tokens: int, repeats: int, threads: int,
+                ours: dict[int, Row]) -> list[Row]:
+    """vLLM's CPU build, plain greedy decode at batch 1 and 8 in its own process; compared with our rows' medians."""
+    with tempfile.TemporaryDirectory() as tmp:
+        job, result = Path(tmp) / "job.json", Path(tmp) / "result.json"
+        job.write_text(json.dumps({"target": str(root), "prompts": prompts, "max_tokens": new_tokens,
+                                   "max_model_len": 2048, "timing": {"repeats": repeats, "batches": sorted(ours)}}))
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0" if threads == 1 else f"0-{threads - 1}"}
+        before = load()
+        proc = subprocess.run([str(VLLM_PYTHON), str(REPO / "bench" / "vllm_serve.py"), str(job), str(result)],
+                              capture_output=True, text=True, env=env, timeout=3600)
+        if proc.returncode != 0:
+            print(f"vLLM failed: {proc.stderr[-2000:]}", file=sys.stderr)
+            return []
+        data = json.loads(result.read_text())
+    rows = []
+    for batch, row in sorted(ours.items()):
+        n = len(prompts) * new_tokens
+        same = sum(a == b for a, b in zip(data["tokens"][str(batch)], row.outputs))
+        rows.append(Row(f"greedy decode, SmolLM2, batch {batch}, vs vLLM", threads, row.ours,
+                        [n / t for t in data["times"][str(batch)]], f"vLLM {data['version']}",
+                        f"{same}/{len(prompts)}", f"{before} → {load()}", interleaved=False))
+    return rows
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--smollm2", action="store_true", help="also measure the real SmolLM2-135M-Instruct")
-    p.add_argument("--only-smollm2", action="store_true", help="measure SmolLM2-135M-Instruct only")
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--skip", default="", help="comma-separated: tiny, score, smollm2, draft, vllm")
     args = p.parse_args()
-    torch.manual_seed(0)
-    rows = []
-    if not args.only_smollm2:
-        with tempfile.TemporaryDirectory() as tmp:
-            rows.append(bench_score(TINY, "score(), tiny target (1.8M)", args.repeats))
-            rows.append(bench_score(random_llama(Path(tmp)), "score(), random Llama h512 x 8 layers", args.repeats))
-        rows.append(bench_decode(TINY, "tiny target", 1, args.repeats))
-        rows.append(bench_decode(TINY, "tiny target", 8, args.repeats))
-    if args.smollm2 or args.only_smollm2:
-        if not (SMOLLM2 / ".complete").is_file():
-            raise SystemExit(f"{SMOLLM2} is absent: run `make smollm2` first")
-        rows.append(bench_score(SMOLLM2, "score(), SmolLM2-135M-Instruct (30 layers)", args.repeats))
-        rows.append(bench_decode(SMOLLM2, "SmolLM2-135M-Instruct", 1, args.repeats, new_tokens=32))
-        rows.append(bench_decode(SMOLLM2, "SmolLM2-135M-Instruct", 8, args.repeats, new_tokens=32))
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32 CPU\n")
-    print("| what | mtp-train tok/s | transformers tok/s | ratio |")
-    print("|---|---:|---:|---:|")
-    for name, ours, ref in rows:
-        print(f"| {name} | {ours:,.0f} | {ref:,.0f} | {ours / ref:.2f}x |")
+    skip = set(filter(None, args.skip.split(",")))
+    smollm2 = (SMOLLM2 / "config.json").is_file() and "smollm2" not in skip
+    vllm = smollm2 and VLLM_PYTHON.is_file() and "vllm" not in skip
+    rows: list[Row] = []
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        if "tiny" not in skip:
+            if "score" not in skip:
+                rows.append(bench_score(TINY, "score(), tiny target (1.8M)", args.repeats, threads))
+                with tempfile.TemporaryDirectory() as tmp:
+                    rows.append(bench_score(random_llama(Path(tmp)), "score(), random Llama h512 x 8 layers",
+                                            args.repeats, threads))
+            for batch in (1, 8):
+                rows.append(bench_decode(TINY, "tiny target", random_prompts(8, 4), batch, args.new_tokens,
+                                         args.repeats, threads))
+        if smollm2:
+            prompts = mt_bench_prompts(SMOLLM2)
+            if "score" not in skip:
+                rows.append(bench_score(SMOLLM2, "score(), SmolLM2-135M-Instruct (30 layers)", args.repeats, threads))
+            ours = {}
+            for batch in (1, 8):
+                ours[batch] = bench_decode(SMOLLM2, "SmolLM2", prompts, batch, args.new_tokens, args.repeats, threads)
+                rows.append(ours[batch])
+            if vllm:
+                rows += vllm_decode(SMOLLM2, prompts, args.new_tokens, args.repeats, threads, ours)
+            if "draft" not in skip:
+                rows.append(bench_draft_target(SMOLLM2, prompts[:4], args.new_tokens, max(2, args.repeats // 2),
+                                               threads))
+    print(f"torch {torch.__version__}, fp32 CPU, {os.cpu_count()} cores; {args.repeats} interleaved repetitions per "
+          f"side after a warm-up; tok/s as median [min, max]; decode {args.new_tokens} new tokens per prompt\n")
+    print("| what | threads | mtp-train tok/s | reference tok/s | ratio | identical outputs | load avg before → after |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for row in rows:
+        print("| " + " | ".join(row.cells()) + " |")
 
 
 if __name__ == "__main__":

@@ -6,8 +6,12 @@ JOB.json: ``{"target": DIR, "prompts": [[token ids], ...], "max_tokens": N, "max
 "head": DIR or null, "k": K}``. Greedy decoding (T = 0) of the token-id prompts, stopping at the target's
 end-of-sequence ids as vLLM reads them from its generation config; with ``head``, EAGLE speculative decoding with
 ``k`` draft tokens. RESULT.json: the generated token ids per prompt and, with a head, vLLM's speculative-decoding
-counters from ``llm.get_metrics()`` (drafts, draft tokens, accepted tokens, accepted per position). Imports nothing
-of the project: that virtualenv has vLLM's own torch and transformers.
+counters from ``llm.get_metrics()`` (drafts, draft tokens, accepted tokens, accepted per position).
+
+With ``"timing": {"repeats": R, "batches": [1, 8]}`` (bench/runtime_bench.py) it times plain decoding instead:
+exactly N tokens per prompt (end-of-sequence ignored), the prompts ``batch`` at a time, one untimed warm-up and
+then R repetitions per batch size; RESULT.json holds ``times`` and ``tokens`` per batch size and vLLM's version.
+Imports nothing of the project: that virtualenv has vLLM's own torch and transformers.
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ def main(job_path: str, result_path: str) -> int:
     llm = LLM(model=job["target"], dtype="float32", max_model_len=job["max_model_len"], enforce_eager=True,
               speculative_config=spec, disable_log_stats=False, seed=0)
     loaded = time.perf_counter() - start
+    if job.get("timing"):
+        return timing(llm, job, result_path)
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"])
     start = time.perf_counter()
     outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]], params, use_tqdm=False)
@@ -50,6 +56,34 @@ def main(job_path: str, result_path: str) -> int:
               "generate_s": round(time.perf_counter() - start, 1)}
     if spec is not None:
         result["counts"] = counters(llm.get_metrics())
+    with open(result_path + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(result_path + ".tmp", result_path)
+    return 0
+
+
+def timing(llm, job: dict, result_path: str) -> int:
+    import vllm
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], min_tokens=job["max_tokens"],
+                            ignore_eos=True)
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]]
+    result = {"version": vllm.__version__, "times": {}, "tokens": {}}
+    for batch in job["timing"]["batches"]:
+        groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+
+        def run() -> list[list[int]]:
+            return [list(o.outputs[0].token_ids) for g in groups for o in llm.generate(g, params, use_tqdm=False)]
+
+        run()  # warm-up
+        times = []
+        for _ in range(job["timing"]["repeats"]):
+            start = time.perf_counter()
+            tokens = run()
+            times.append(time.perf_counter() - start)
+        result["times"][str(batch)], result["tokens"][str(batch)] = times, tokens
     with open(result_path + ".tmp", "w") as f:
         json.dump(result, f)
     os.replace(result_path + ".tmp", result_path)

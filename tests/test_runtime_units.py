@@ -10,6 +10,7 @@ from mtp_train.models.config import ModelConfig
 from mtp_train.runtime.acceptance import accept_draft
 from mtp_train.runtime.batch import build_batch
 from mtp_train.runtime.device import resolve_dtype
+from mtp_train.runtime.engine import Engine
 from mtp_train.runtime.kv_cache import KVPool, OutOfPages, PageAllocator, PageTable
 from mtp_train.runtime.sampling import SamplingParams, target_distribution
 
@@ -116,3 +117,27 @@ def test_finished_sequences_free_slots_for_waiting_ones():
     assert [r.tokens for r in out] == ref
     assert [len(r.tokens) for r in out] == [3, 9, 5, 12, 2]
     assert narrow.allocator.num_free == narrow.allocator.num_pages
+
+
+def test_the_small_batch_layout_changes_the_layout_only():
+    """On CPU the engine keeps transposed copies of the weights that read faster so at decode sizes; the products
+    are the stored layout's up to rounding, the state dict is untouched, and the option turns it off."""
+    import torch.nn.functional as F
+
+    from mtp_train.models.parts import Linear
+    from mtp_train.runtime.small_batch import tune
+
+    engine = Engine.from_pretrained(TINY_TARGET)
+    keys = set(engine.model.state_dict())
+    linears = [m for m in engine.model.modules() if isinstance(m, Linear)]
+    for m in linears:  # force every shape's copy, whatever this machine measured, to test the path itself
+        m.weight_t, m.transposed_for = m.weight.t().contiguous(), frozenset({1, 2})
+    for m in linears:
+        for rows in (1, 2, 3):
+            x = torch.randn(rows, m.weight.shape[1])
+            assert torch.allclose(m(x), F.linear(x, m.weight, m.bias), atol=1e-5)
+    assert set(engine.model.state_dict()) == keys
+    chosen = tune(Engine.from_pretrained(TINY_TARGET, small_batch_layout=False).model)
+    assert all(set(rows) <= set(range(1, 6)) for rows in chosen.values())
+    plain = Engine.from_pretrained(TINY_TARGET, small_batch_layout=False)
+    assert plain.small_batch == {} and all(m.weight_t is None for m in plain.model.modules() if isinstance(m, Linear))

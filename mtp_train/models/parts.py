@@ -46,6 +46,22 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` that may also hold its weight transposed, ``weight_t [in, out]`` (not in the state dict), for
+    the token counts in ``transposed_for``: on CPU, BLAS reads a weight for one or two rows (a decode step) up to
+    twice as fast in that layout for some shapes (``runtime/small_batch.py`` measures which). Same product either
+    way, up to rounding."""
+
+    weight_t: torch.Tensor | None = None
+    transposed_for: frozenset[int] = frozenset()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_t is not None and x.shape[0] in self.transposed_for and x.dim() == 2:
+            y = x @ self.weight_t
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self.weight, self.bias)
+
+
 class FeedForward(nn.Module):
     """The gated MLP; ``reduce=False`` leaves the all-reduce to the caller (DeepSeek's shared experts)."""
 
@@ -54,8 +70,8 @@ class FeedForward(nn.Module):
         super().__init__()
         inter = (intermediate or cfg.intermediate_size) // tp.size
         self.tp = tp if reduce else TensorParallel()
-        self.w_gate_up = nn.Linear(cfg.hidden_size, 2 * inter, bias=cfg.mlp_bias)  # rows [gate | up]
-        self.w_down = nn.Linear(inter, cfg.hidden_size, bias=False)
+        self.w_gate_up = Linear(cfg.hidden_size, 2 * inter, bias=cfg.mlp_bias)  # rows [gate | up]
+        self.w_down = Linear(inter, cfg.hidden_size, bias=False)
         self.w_down_bias = nn.Parameter(torch.zeros(cfg.hidden_size)) if cfg.mlp_bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from torch import nn
 from mtp_train.models.config import ModelConfig
 from mtp_train.models.mla import LatentAttention
 from mtp_train.models.moe import MoE
-from mtp_train.models.parts import AttentionPlan, CosSin, FeedForward, KVPages, RMSNorm
+from mtp_train.models.parts import AttentionPlan, CosSin, FeedForward, KVPages, Linear, RMSNorm
 from mtp_train.models.rope import RotaryEmbedding
 from mtp_train.models.tp import TensorParallel
 
@@ -34,8 +34,8 @@ class Attention(nn.Module):
         self.n_kv_heads = cfg.num_kv_heads // tp.size
         self.tp = tp
         # q, k and v projections in one matmul: rows [q heads | k heads | v heads] of this rank.
-        self.wqkv = nn.Linear(cfg.hidden_size, (self.n_heads + 2 * self.n_kv_heads) * cfg.head_dim, bias=cfg.qkv_bias)
-        self.wo = nn.Linear(self.n_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.wqkv = Linear(cfg.hidden_size, (self.n_heads + 2 * self.n_kv_heads) * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wo = Linear(self.n_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         # Row-parallel bias is added once, after the all-reduce.
         self.wo_bias = nn.Parameter(torch.zeros(cfg.hidden_size)) if cfg.o_bias else None
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -85,7 +85,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, tp, cfg.is_moe_layer(i)) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.output = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope)
 
     def forward(

@@ -31,6 +31,7 @@ from mtp_train.runtime.kv_cache import KVPool, OutOfPages, PageAllocator
 from mtp_train.runtime.sampling import SamplingParams, sample
 from mtp_train.runtime.scheduler import Scheduler
 from mtp_train.runtime.sequence import RequestStats, Sequence, Status
+from mtp_train.runtime.small_batch import tune
 
 LOGITS_CHUNK = 2048  # tokens per lm_head call in score(), so [chunk, vocab] stays small
 CPU_KV_BYTES = 512 * 2**20  # the KV budget on CPU when the recipe sets none
@@ -103,7 +104,10 @@ class Engine:
         max_seqs: int = 256,
         backend: str = "auto",
         stop_ids: tuple[int, ...] = (),
+        small_batch_layout: bool = True,
     ) -> None:
+        """``small_batch_layout``: on CPU, measure which weights read faster transposed at decode sizes and keep
+        those copies (``runtime/small_batch.py``)."""
         self.model = model
         self.cfg = model.cfg
         self.tp: TensorParallel = model.tp
@@ -114,6 +118,7 @@ class Engine:
         self.allocator = PageAllocator(num_pages, page_size)
         self.kv = KVPool(self.cfg, self.allocator, dtype, self.device, self.tp.size)
         self.backend = select_backend(backend, self.device, self.cfg.sliding_window, dtype, latent=self.cfg.mla is not None)
+        self.small_batch = tune(model) if small_batch_layout and self.device.type == "cpu" else {}
         self.max_batch_tokens = max_batch_tokens
         self.max_seqs = max_seqs
         self.stop_ids = stop_ids
