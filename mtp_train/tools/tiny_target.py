@@ -15,6 +15,9 @@ Steps, all seeded and CPU-only:
 
 The chat template marks assistant turns with ``{% generation %}`` so that
 ``apply_chat_template(return_assistant_tokens_mask=True)`` yields a loss mask.
+
+The tiny DeepSeek-V2 target (:mod:`mtp_train.tools.tiny_deepseek`) reuses this tokenizer and the data, training
+(``train_lm``) and quality (``measure_quality``) functions below.
 """
 
 from __future__ import annotations
@@ -206,6 +209,70 @@ def greedy_replies(model, tokenizer, prompts: list[list[dict[str, str]]], max_ne
     return out
 
 
+def train_lm(model, train: torch.Tensor, batch_size: int, epochs: float, lr: float, seed: int, t0: float) -> int:
+    """Train ``model`` on the windows ``train`` ``[N, S+1]`` for ``epochs`` passes: AdamW (weight decay 0.1 on
+    matrices only, betas 0.9/0.95), 2% linear warmup, cosine decay, gradient clipping at 1. Returns the steps."""
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.95),
+    )
+    total_steps = int(epochs * train.shape[0] / batch_size)
+    warmup = max(1, total_steps // 50)
+    model.train()
+    data = batches(train, batch_size, seed)
+    for step in range(total_steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, total_steps, lr, warmup)
+        w = next(data)
+        logits = model(input_ids=w[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 100 == 0 or step == total_steps - 1:
+            rate = (step + 1) * w[:, 1:].numel() / (time.time() - t0)
+            print(f"step {step}/{total_steps} loss {loss.item():.3f} ({rate:,.0f} tok/s so far)", flush=True)
+    return total_steps
+
+
+def measure_quality(model, tokenizer, dev: torch.Tensor, dev_dialogues, seed: int, train_tokens_seen: int) -> dict:
+    """The quality bar: dev loss over all of ``dev``, distinct-2 of greedy replies to 50 seeded dev prompts, and
+    the fixed prompts' greedy ids and replies (``train_seconds`` is left to the caller)."""
+    loss = dev_loss(model, dev, batch_size=32)
+    print(f"dev loss {loss:.4f}")
+
+    fixed = greedy_replies(model, tokenizer, [[{"role": "user", "content": q}] for q in QUALITY_PROMPTS], 48)
+    rng = random.Random(seed)
+    dev_prompts = [d[:1] for d in rng.sample(dev_dialogues, 50)]
+    continuations = greedy_replies(model, tokenizer, dev_prompts, 48)
+    return {
+        "seed": seed,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "train_tokens_seen": train_tokens_seen,
+        "dev_loss": round(loss, 4),
+        "distinct_2_of_50_greedy": round(distinct_n(continuations, 2), 4),
+        "fixed_prompts": [
+            {
+                "prompt": q,
+                "greedy_ids": ids,
+                "reply": tokenizer.decode(ids, skip_special_tokens=True),
+                "repeat_4gram_fraction": round(max_repeat_fraction(ids), 4),
+            }
+            for q, ids in zip(QUALITY_PROMPTS, fixed)
+        ],
+    }
+
+
+def print_quality(quality: dict) -> None:
+    print(json.dumps({k: v for k, v in quality.items() if k != "fixed_prompts"}, indent=2))
+    for item in quality["fixed_prompts"]:
+        print(f"> {item['prompt']}\n< {item['reply']}")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=REPO / "recipes" / "tiny" / "target")
@@ -234,63 +301,17 @@ def main(argv: list[str] | None = None) -> None:
     config = make_config(len(tokenizer), tokenizer)
     model = LlamaForCausalLM(config)
     print(f"model: {sum(p.numel() for p in model.parameters()):,} parameters")
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr,
-        betas=(0.9, 0.95),
+    total_steps = train_lm(model, train, args.batch_size, args.epochs, args.lr, args.seed, t0)
+    quality = measure_quality(
+        model, tokenizer, dev, dev_dialogues, args.seed, total_steps * args.batch_size * args.seq_len
     )
-    total_steps = int(args.epochs * train.shape[0] / args.batch_size)
-    warmup = max(1, total_steps // 50)
-    model.train()
-    data = batches(train, args.batch_size, args.seed)
-    for step in range(total_steps):
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, total_steps, args.lr, warmup)
-        w = next(data)
-        logits = model(input_ids=w[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        if step % 100 == 0 or step == total_steps - 1:
-            rate = (step + 1) * w[:, 1:].numel() / (time.time() - t0)
-            print(f"step {step}/{total_steps} loss {loss.item():.3f} ({rate:,.0f} tok/s so far)", flush=True)
-
-    loss = dev_loss(model, dev, batch_size=32)
-    print(f"dev loss {loss:.4f}")
-
-    fixed = greedy_replies(model, tokenizer, [[{"role": "user", "content": q}] for q in QUALITY_PROMPTS], 48)
-    rng = random.Random(args.seed)
-    dev_prompts = [d[:1] for d in rng.sample(dev_dialogues, 50)]
-    continuations = greedy_replies(model, tokenizer, dev_prompts, 48)
-    quality = {
-        "seed": args.seed,
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "train_tokens_seen": total_steps * args.batch_size * args.seq_len,
-        "dev_loss": round(loss, 4),
-        "distinct_2_of_50_greedy": round(distinct_n(continuations, 2), 4),
-        "fixed_prompts": [
-            {
-                "prompt": q,
-                "greedy_ids": ids,
-                "reply": tokenizer.decode(ids, skip_special_tokens=True),
-                "repeat_4gram_fraction": round(max_repeat_fraction(ids), 4),
-            }
-            for q, ids in zip(QUALITY_PROMPTS, fixed)
-        ],
-        "train_seconds": round(time.time() - t0, 1),
-    }
+    quality["train_seconds"] = round(time.time() - t0, 1)
     args.out.mkdir(parents=True, exist_ok=True)
     model.generation_config.eos_token_id = [config.eos_token_id, tokenizer.convert_tokens_to_ids(EOS)]
     model.save_pretrained(args.out, safe_serialization=True)
     tokenizer.save_pretrained(args.out)
     (args.out / "quality.json").write_text(json.dumps(quality, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in quality.items() if k != "fixed_prompts"}, indent=2))
-    for item in quality["fixed_prompts"]:
-        print(f"> {item['prompt']}\n< {item['reply']}")
+    print_quality(quality)
 
 
 if __name__ == "__main__":
