@@ -2,25 +2,24 @@
 
 A decode step (every running sequence is decoding; n = its number of tokens), top to bottom:
 
-1. **propose**: the draft's carried logits give d_1; d_2..d_k come from a linear chain of draft forwards
-   (greedy, or sampled with the request's own settings);
+1. **propose**: the draft's carried logits give d_1; d_2..d_k come from a linear chain of draft forwards (greedy,
+   or sampled with the request's own settings);
 2. **verify**: the target forwards ``[t_{n-1}, d_1..d_k]`` in one batch (``q_len = k + 1``);
 3. **accept**: the pure rule (``accept_draft``) keeps a tokens and appends one more (bonus or residual);
 4. the target's pages are truncated to its n + a valid positions, and the draft re-syncs over the
    verified positions (truncate, then forward), which fills its K/V and carries its next logits.
 
-Prefill and mixed steps sample normally (``Engine.step``); the draft then catches up from that step.
-Between steps, for a running sequence with n tokens:
+Prefill and mixed steps sample normally (``Engine.step``); the draft then catches up from that step. Between steps,
+for a running sequence with n tokens:
 
 - the target holds K/V for positions 0..n-2 (the last token is pending), as in plain decoding;
 - a **draft model** holds K/V for 0..n-1 and carries the logits that predict t_n;
-- an **MTP head** holds K/V for 0..n-2 (its position i read the target's h_i and the token t_{i+1}:
-  the token buffer is shifted one step left of the hidden states), carries the logits that predict t_n,
-  and carries its state at n-2 that the chain feeds back as the next h (its output, or its output after
-  its final norm: the head's ``feedback`` convention).
+- an **MTP head** holds K/V for 0..n-2 (its position i read the target's h_i and the token t_{i+1}: the token
+  buffer is shifted one step left of the hidden states), carries the logits that predict t_n, and carries its
+  state at n-2 that the chain feeds back as the next h (its output, or its output after its final norm: ``feedback``).
 
-Under tensor parallelism the draft and the acceptance run on the leader rank; the other ranks receive
-the drafts and the decisions by broadcast and keep identical page bookkeeping.
+Under tensor parallelism the draft and the acceptance run on the leader rank; the other ranks receive the drafts and
+the decisions by broadcast and keep identical page bookkeeping.
 """
 
 from __future__ import annotations
@@ -156,13 +155,10 @@ class DraftModelDrafter(TokenDrafter):
 class HeadDrafter(Drafter):
     """MTP (or EAGLE): a trained head over the target's hidden states, embedding and lm_head."""
 
-    def __init__(self, engine: Engine, head: DraftHead, name: str | None = None,
-                 vocab: torch.Tensor | None = None) -> None:
-        """``vocab [N]``: the target ids the head may draft (``eval.draft_vocab``); its logits are then the N rows
-        of the frozen lm_head, the rest of the vocabulary at -inf (probability 0 in the draft distribution)."""
+    def __init__(self, engine: Engine, head: DraftHead, name: str | None = None, vocab: torch.Tensor | None = None):
+        """``vocab [N]``: the ids it may draft (``eval.draft_vocab``): logits from those lm_head rows, -inf elsewhere."""
         self.name = name or head.spec.kind  # "mtp", "eagle", or "target_mtp" (a checkpoint's own MTP layer)
-        on_leader = engine.tp.rank == 0
-        self.head = (head.to(engine.device, engine.model.output.weight.dtype) if on_leader else head).eval()
+        self.head = (head.to(engine.device, engine.model.output.weight.dtype) if engine.tp.rank == 0 else head).eval()
         self.target = engine.model
         self.vocab = None if vocab is None else vocab.to(engine.device)
         self.vocab_rows = None if vocab is None else engine.model.output.weight[self.vocab].contiguous()  # [N, H]
@@ -198,11 +194,8 @@ class HeadDrafter(Drafter):
 
 
 class BigramDrafter(TokenDrafter):
-    """The baseline draft: each token's most frequent successor in the training data (no K/V, no network).
-
-    Its distribution is one-hot, a valid draft distribution at any temperature (a token is then accepted
-    with the target's probability of it).
-    """
+    """The baseline draft: each token's most frequent successor in the training data (no K/V, no network). Its
+    distribution is one-hot, valid at any temperature (a token is accepted with the target's probability of it)."""
 
     name = "bigram"
 
