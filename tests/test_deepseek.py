@@ -81,9 +81,11 @@ def test_the_routing_is_exercised(tmp_path):
 
 
 @pytest.mark.slow
-def test_tp2_over_gloo_matches_tp1(tmp_path):
-    """Heads split over 2 ranks, latent and experts replicated (sliced by channel): the TP = 1 results."""
-    save_random_model("deepseek_v2", tmp_path / "target")
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+def test_tp2_over_gloo_matches_tp1(tmp_path, family):
+    """Heads split over 2 ranks, the latent replicated, every expert on both ranks sliced by channel: the TP = 1
+    results."""
+    save_random_model(family, tmp_path / "target")
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (9, 20)]
     torch.save(prompts, tmp_path / "prompts.pt")
