@@ -10,7 +10,8 @@ Rows (each at every ``--threads`` count):
   MT-bench prompts through its chat template), outputs compared token for token;
 - SmolLM2 draft-target decoding at batch 1, k = 2, with SmolLM2 as its own draft (so every draft is accepted and
   the row measures the machinery) vs transformers' assisted generation with the same assistant;
-- vLLM's CPU build, plain greedy decode of the same SmolLM2 prompts at batch 1 and 8, in its own process.
+- vLLM's CPU build, plain greedy decode of the same SmolLM2 prompts at batch 1 and 8, in its own process, at the
+  thread count equal to the cores (it binds its threads to all of them).
 
 **Trustworthy on a shared 2-core machine:** every side gets an untimed warm-up; the repetitions of the two sides
 interleave (the order alternating), so that drift hits both alike; each side's figure is the median of its
@@ -239,7 +240,8 @@ def vllm_decode(root: Path, prompts: list[list[int]], new_tokens: int, repeats: 
         job, result = Path(tmp) / "job.json", Path(tmp) / "result.json"
         job.write_text(json.dumps({"target": str(root), "prompts": prompts, "max_tokens": new_tokens,
                                    "max_model_len": 2048, "timing": {"repeats": repeats, "batches": sorted(ours)}}))
-        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0" if threads == 1 else f"0-{threads - 1}"}
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+               "VLLM_LOGGING_LEVEL": "WARNING"}  # as bench/vllm_check.py runs it; vLLM binds all cores itself
         before = load()
         proc = subprocess.run([str(VLLM_PYTHON), str(REPO / "bench" / "vllm_serve.py"), str(job), str(result)],
                               capture_output=True, text=True, env=env, timeout=3600)
@@ -257,6 +259,19 @@ def vllm_decode(root: Path, prompts: list[list[int]], new_tokens: int, repeats: 
     return rows
 
 
+class Rows(list):
+    """The table's rows, each printed as soon as it is measured (a long run killed midway keeps what it measured)."""
+
+    def append(self, row: Row) -> None:
+        super().append(row)
+        print("| " + " | ".join(row.cells()) + " |", flush=True)
+
+    def __iadd__(self, rows):
+        for row in rows:
+            self.append(row)
+        return self
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=5)
@@ -267,7 +282,11 @@ def main() -> None:
     skip = set(filter(None, args.skip.split(",")))
     smollm2 = (SMOLLM2 / "config.json").is_file() and "smollm2" not in skip
     vllm = smollm2 and VLLM_PYTHON.is_file() and "vllm" not in skip
-    rows: list[Row] = []
+    print(f"torch {torch.__version__}, fp32 CPU, {os.cpu_count()} cores; {args.repeats} interleaved repetitions per "
+          f"side after a warm-up; tok/s as median [min, max]; decode {args.new_tokens} new tokens per prompt\n")
+    print("| what | threads | mtp-train tok/s | reference tok/s | ratio | identical outputs | load avg before → after |")
+    print("|---|---:|---:|---:|---:|---:|---|", flush=True)
+    rows = Rows()
     for threads in args.threads:
         torch.set_num_threads(threads)
         if "tiny" not in skip:
@@ -287,17 +306,11 @@ def main() -> None:
             for batch in (1, 8):
                 ours[batch] = bench_decode(SMOLLM2, "SmolLM2", prompts, batch, args.new_tokens, args.repeats, threads)
                 rows.append(ours[batch])
-            if vllm:
+            if vllm and threads == os.cpu_count():  # vLLM's CPU build binds its threads to all the cores
                 rows += vllm_decode(SMOLLM2, prompts, args.new_tokens, args.repeats, threads, ours)
             if "draft" not in skip:
                 rows.append(bench_draft_target(SMOLLM2, prompts[:4], args.new_tokens, max(2, args.repeats // 2),
                                                threads))
-    print(f"torch {torch.__version__}, fp32 CPU, {os.cpu_count()} cores; {args.repeats} interleaved repetitions per "
-          f"side after a warm-up; tok/s as median [min, max]; decode {args.new_tokens} new tokens per prompt\n")
-    print("| what | threads | mtp-train tok/s | reference tok/s | ratio | identical outputs | load avg before → after |")
-    print("|---|---:|---:|---:|---:|---:|---|")
-    for row in rows:
-        print("| " + " | ".join(row.cells()) + " |")
 
 
 if __name__ == "__main__":

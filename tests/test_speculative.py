@@ -157,7 +157,7 @@ def test_a_draft_vocabulary_keeps_decoding_lossless(prompts, reference, trained_
         x = torch.randn(3, engine.cfg.hidden_size)
         restricted = d.logits(x)
         assert torch.isinf(restricted[:, [1, 2, 3]]).all(), "ids outside the vocabulary get probability 0"
-        assert torch.allclose(restricted[:, vocab], HeadDrafter(engine, head).logits(x)[:, vocab]), "lm_head rows"
+        assert torch.allclose(restricted[:, vocab], HeadDrafter(engine, head).logits(x)[:, vocab], atol=1e-5), "rows"
         seen.clear()
         return d
 

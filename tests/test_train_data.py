@@ -95,6 +95,7 @@ def test_cold_page_cache_and_plain_reads_give_the_same_batches(features, monkeyp
     load_batch(reader, refs, 300, torch.float32)  # opens every shard (its header read caches small files whole)
     for shard in root.glob("*.safetensors"):
         fd = os.open(shard, os.O_RDONLY)
+        os.fsync(fd)  # dirty pages (writeback lagging on a busy machine) are not dropped by DONTNEED
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(fd)
     blocking = []

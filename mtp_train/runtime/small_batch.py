@@ -44,7 +44,7 @@ def tune(model: nn.Module) -> dict[tuple[int, int], list[int]]:
         if isinstance(module, Linear) and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32:
             by_shape.setdefault(tuple(module.weight.shape), []).append(module)
     chosen: dict[tuple[int, int], list[int]] = {}
-    with torch.inference_mode():
+    with torch.no_grad():  # not inference mode: the copies must be usable where autograd records
         for shape, modules in by_shape.items():
             weights = [m.weight for m in modules]
             transposed = [w.t().contiguous() for w in weights]
