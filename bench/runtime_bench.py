@@ -200,7 +200,8 @@ def bench_draft_target(root: Path, prompts: list[list[int]], new_tokens: int, re
     from mtp_train.models.checkpoint import load_transformer
     from mtp_train.runtime.engine import Engine
     from mtp_train.runtime.sampling import SamplingParams
-    from mtp_train.runtime.speculative import DraftModelDrafter, SpeculativeDecoder
+    from mtp_train.runtime.drafters import DraftModelDrafter
+    from mtp_train.runtime.speculative import SpeculativeDecoder
 
     engine = Engine.from_pretrained(root)
     decoder = SpeculativeDecoder(engine, DraftModelDrafter(engine, load_transformer(root)), 2)

@@ -1,9 +1,10 @@
 """A trained eagle head exported for vLLM and served by vLLM's CPU build, against this runtime, like with like.
 
     make vllm                                   # once: vLLM's CPU build in its own virtualenv, .venv-vllm/
-    .venv/bin/python bench/vllm_check.py RECIPE.yaml [KEY.PATH=VALUE ...] [--k 1 2 3 4]
+    .venv/bin/python bench/vllm_check.py RECIPE.yaml [KEY.PATH=VALUE ...] [--k 1 2 3 4] [--format speculators]
 
-For the recipe's trained ``eagle`` head (``head.kind=eagle``): ``mtp-train export --format vllm``, then the
+For the recipe's trained ``eagle`` or ``eagle3`` head (``head.kind=eagle``, ``head.kind=eagle3``): ``mtp-train export
+--format vllm`` (or ``--format speculators``, an eagle3 head), then the
 eval's prompts (the recipe's prompt sets, rendered by its chat template, as token ids) at T = 0 with
 ``eval.max_new_tokens``:
 
@@ -72,7 +73,8 @@ def runtime_runs(recipe, ks: list[int]) -> tuple[list, list[list[int]], list[lis
     from eval.run import eval_prompts, request_traces
     from mtp_train.runtime.engine import Engine
     from mtp_train.runtime.sampling import SamplingParams
-    from mtp_train.runtime.speculative import HeadDrafter, SpeculativeDecoder
+    from mtp_train.runtime.drafters import HeadDrafter
+    from mtp_train.runtime.speculative import SpeculativeDecoder
     from mtp_train.train.checkpoint import load_trained_head
     from mtp_train.train.trainer import head_dir
 
@@ -99,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("recipe", type=Path)
     parser.add_argument("overrides", nargs="*", help="KEY.PATH=VALUE recipe overrides")
     parser.add_argument("--k", type=int, nargs="+", help="draft lengths (default: the recipe's eval.k)")
+    parser.add_argument("--format", choices=("vllm", "speculators"), default="vllm",
+                        help="the export format vLLM loads (speculators: eagle3 heads)")
     parser.add_argument("--vllm-python", type=Path, default=VLLM_PYTHON)
     parser.add_argument("--work", type=Path, help="keep vLLM's jobs, outputs and logs here (default: a temp dir)")
     args = parser.parse_args(argv)
@@ -118,11 +122,14 @@ def check(args: argparse.Namespace) -> int:
     if not args.vllm_python.is_file():
         raise UserError(f"{args.vllm_python}: no vLLM environment; create it with `make vllm`")
     recipe = load_recipe(args.recipe, args.overrides)
-    if recipe.head.kind != "eagle":
-        raise UserError(f"head.kind: {recipe.head.kind!r}; vLLM serves eagle heads of this target: add head.kind=eagle")
+    if recipe.head.kind not in ("eagle", "eagle3"):
+        raise UserError(f"head.kind: {recipe.head.kind!r}; vLLM serves eagle and eagle3 heads of this target: add "
+                        "head.kind=eagle or head.kind=eagle3")
+    if args.format == "speculators" and recipe.head.kind != "eagle3":
+        raise UserError("--format speculators: holds eagle3 heads; add head.kind=eagle3")
     ks = args.k or recipe.eval.k
     version = vllm_version(args.vllm_python)
-    exported = export_head(recipe, "vllm")
+    exported = export_head(recipe, args.format)
     t0 = time.perf_counter()
     prompts, token_ids, plain, ours = runtime_runs(recipe, ks)
     print(f"vllm_check: this runtime: plain + k={ks} on {len(prompts)} prompts in {time.perf_counter() - t0:.0f}s",
@@ -134,12 +141,14 @@ def check(args: argparse.Namespace) -> int:
            "max_model_len": max(len(t) for t in token_ids) + e.max_new_tokens + max(ks) + 8}
     t0 = time.perf_counter()
     theirs_plain = serve(args.vllm_python, {**job, "head": None}, work, "plain")["tokens"]
-    theirs = {k: serve(args.vllm_python, {**job, "head": str(exported), "k": k}, work, f"k{k}") for k in ks}
+    method = "eagle3" if recipe.head.kind == "eagle3" else "eagle"
+    theirs = {k: serve(args.vllm_python, {**job, "head": str(exported), "k": k, "method": method}, work, f"k{k}")
+              for k in ks}
     print(f"vllm_check: vLLM {version}: plain + k={ks} in {time.perf_counter() - t0:.0f}s (work dir {work})",
           file=sys.stderr)
 
     date = time.strftime("%Y-%m-%d")
-    engine = f"vLLM {version} (CPU)"
+    engine = f"vLLM {version} (CPU)" + (", speculators format" if args.format == "speculators" else "")
     checks = []
     same_plain = sum(a == b for a, b in zip(plain, theirs_plain))
     print(f"\nvLLM {version} (CPU, float32) against this runtime, {recipe.target.path.name}, the {recipe.head.kind} "
@@ -167,7 +176,7 @@ def check(args: argparse.Namespace) -> int:
     report_path = recipe.output_dir / "eval" / "report.json"
     if report_path.is_file():
         report = load_report(report_path)
-        if report.mode == "eagle":
+        if report.mode == recipe.head.kind:
             report.engine_checks = [c for c in report.engine_checks if c.engine != engine or c.k not in ks] + checks
             write_report(report, report_path.parent)
             print(f"vllm_check: added to {report_path.parent / 'report.html'}", file=sys.stderr)

@@ -3,8 +3,8 @@
     .venv-vllm/bin/python bench/vllm_serve.py JOB.json RESULT.json
 
 JOB.json: ``{"target": DIR, "prompts": [[token ids], ...], "max_tokens": N, "max_model_len": M,
-"head": DIR or null, "k": K}``. Greedy decoding (T = 0) of the token-id prompts, stopping at the target's
-end-of-sequence ids as vLLM reads them from its generation config; with ``head``, EAGLE speculative decoding with
+"head": DIR or null, "k": K, "method": "eagle" or "eagle3"}``. Greedy decoding (T = 0) of the token-id prompts, stopping at the target's
+end-of-sequence ids as vLLM reads them from its generation config; with ``head``, EAGLE (or EAGLE-3) speculative decoding with
 ``k`` draft tokens. RESULT.json: the generated token ids per prompt and, with a head, vLLM's speculative-decoding
 counters from ``llm.get_metrics()`` (drafts, draft tokens, accepted tokens, accepted per position).
 
@@ -42,7 +42,7 @@ def main(job_path: str, result_path: str) -> int:
     job = json.loads(open(job_path).read())
     spec = None
     if job.get("head"):
-        spec = {"method": "eagle", "model": job["head"], "num_speculative_tokens": job["k"]}
+        spec = {"method": job.get("method", "eagle"), "model": job["head"], "num_speculative_tokens": job["k"]}
     start = time.perf_counter()
     llm = LLM(model=job["target"], dtype="float32", max_model_len=job["max_model_len"], enforce_eager=True,
               speculative_config=spec, disable_log_stats=False, seed=0)

@@ -38,7 +38,8 @@ from mtp_train.recipe import Recipe
 from mtp_train.runtime.engine import Engine
 from mtp_train.runtime.sampling import SamplingParams
 from mtp_train.runtime.sequence import Sequence, Status
-from mtp_train.runtime.speculative import Drafter, HeadDrafter, SpeculativeDecoder
+from mtp_train.runtime.drafters import Drafter, HeadDrafter
+from mtp_train.runtime.speculative import SpeculativeDecoder
 from mtp_train.threads import set_threads, warn_if_oversubscribed
 from mtp_train.train.checkpoint import load_trained_head
 from precompute.manifest import target_fingerprint, text_fingerprint
@@ -131,7 +132,8 @@ def run_eval(recipe: Recipe, baseline: Path | None = None) -> Path:
     replies: dict[tuple[int, float], list[list[int]]] = {}  # (k, T) -> the head's output tokens per prompt
     sweep = _sweep(engine, drafter, prompts, token_ids, plain, e.k, checks, replies)
     comparisons = []
-    vocab = drafter.vocab if isinstance(drafter, HeadDrafter) else draft_vocab(recipe, engine.cfg.vocab_size)
+    own = isinstance(drafter, HeadDrafter) and not drafter.own_vocab  # (an eagle3 head's vocabulary is its own)
+    vocab = drafter.vocab if own else draft_vocab(recipe, engine.cfg.vocab_size)
     for name in e.compare:
         other = _other_drafter(engine, name, others[name], vocab)
         points = _sweep(engine, other, prompts, token_ids, plain, e.k, checks)
@@ -148,7 +150,7 @@ def run_eval(recipe: Recipe, baseline: Path | None = None) -> Path:
         setattr(report, name, value)
     if isinstance(drafter, HeadDrafter):
         spec = drafter.head.spec
-        report.head_convention = f"{spec.convention}: {spec.choices.describe()}"
+        report.head_convention = f"{spec.convention}: {spec.describe()}"
         report.serving = validity_line(spec.kind, spec.choices, engine.cfg.family)
     reference = [r.tokens for r in plain[report.temperature][1]]
     report.samples = pick_samples(prompts, replies[report.k, report.temperature], reference, tokenizer,
@@ -191,7 +193,7 @@ def _baseline(recipe: Recipe, given: Path | None) -> Path | None:
 def _load(recipe: Recipe) -> tuple[Engine, Drafter, Any]:
     from mtp_train.models.checkpoint import load_transformer
     from mtp_train.runtime.device import default_device, resolve_dtype
-    from mtp_train.runtime.speculative import DraftModelDrafter
+    from mtp_train.runtime.drafters import DraftModelDrafter
     from mtp_train.models.tp import init_tensor_parallel
 
     device = default_device()
@@ -271,7 +273,7 @@ def _heldout(recipe: Recipe) -> dict[str, Any]:
 def _load_other(recipe: Recipe, engine: Engine, name: str):
     """What a comparison draft needs: another trained head kind, or for the bigram baseline its successor table
     from the training features."""
-    from mtp_train.runtime.speculative import BigramDrafter
+    from mtp_train.runtime.drafters import BigramDrafter
     from precompute.reader import FeatureReader
 
     if name == "bigram":
@@ -288,7 +290,7 @@ def _load_other(recipe: Recipe, engine: Engine, name: str):
 
 def _other_drafter(engine: Engine, name: str, loaded, vocab: torch.Tensor | None) -> Drafter:
     """A comparison draft from what ``_load_other`` loaded; heads draft from ``vocab`` (``eval.draft_vocab``)."""
-    from mtp_train.runtime.speculative import BigramDrafter
+    from mtp_train.runtime.drafters import BigramDrafter
 
     return BigramDrafter(engine, loaded) if name == "bigram" else HeadDrafter(engine, loaded, name, vocab)
 
@@ -296,17 +298,13 @@ def _other_drafter(engine: Engine, name: str, loaded, vocab: torch.Tensor | None
 def draft_vocab(recipe: Recipe, vocab_size: int) -> torch.Tensor | None:
     """``[N]`` ascending target ids of the ``eval.draft_vocab`` most frequent assistant tokens (``loss_mask`` 1) of
     the training features, ties to the smaller id; None for the full vocabulary."""
+    from mtp_train.train.vocab import frequent_tokens
     from precompute.reader import FeatureReader
 
     n = recipe.eval.draft_vocab
     if n is None or n >= vocab_size:
         return None
-    reader = FeatureReader(recipe.features_dir, target=recipe.target.path)
-    counts = torch.zeros(vocab_size, dtype=torch.int64)
-    for ref in reader.train:
-        rows = reader.load(ref)
-        counts += torch.bincount(rows["input_ids"].long()[rows["loss_mask"].bool()], minlength=vocab_size)
-    return torch.argsort(counts, descending=True, stable=True)[:n].sort().values
+    return frequent_tokens(FeatureReader(recipe.features_dir, target=recipe.target.path), n, vocab_size)
 
 
 def _target_mtp(recipe: Recipe, engine: Engine):

@@ -25,7 +25,8 @@ from mtp_train.runtime.device import synchronize
 from mtp_train.runtime.engine import Engine, GenerationResult
 from mtp_train.runtime.sampling import SamplingParams
 from mtp_train.runtime.sequence import Sequence
-from mtp_train.runtime.speculative import Drafter, SpecTimings, SpeculativeDecoder
+from mtp_train.runtime.drafters import Drafter
+from mtp_train.runtime.speculative import SpecTimings, SpeculativeDecoder
 
 Clock = Callable[[], float]
 OnStep = Callable[[list[Sequence]], None]
@@ -83,7 +84,7 @@ def plain_decode(engine: Engine, prompts: list[list[int]], params: list[Sampling
         while not scheduler.done:
             synchronize(engine.device)
             t0 = clock()
-            scheduled, _ = engine.step(scheduler)
+            scheduled, _, _ = engine.step(scheduler)
             synchronize(engine.device)
             timing.add_step(scheduled, clock() - t0)
             if on_step is not None:

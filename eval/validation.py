@@ -17,7 +17,7 @@ from mtp_train.heads.frozen import FrozenTarget
 from mtp_train.runtime.batch import build_batch
 from mtp_train.runtime.engine import Engine
 from mtp_train.runtime.kv_cache import PageTable
-from mtp_train.runtime.speculative import HeadDrafter
+from mtp_train.runtime.drafters import HeadDrafter
 from mtp_train.train.data import Batch
 from mtp_train.train.loss import LossWeights
 from mtp_train.train.trainer import validate
@@ -30,22 +30,24 @@ def runtime_frozen(engine: Engine) -> FrozenTarget:
     return FrozenTarget(engine.cfg, m.tok_embeddings.weight, m.norm.weight, m.output.weight)
 
 
-def runtime_batches(engine: Engine, reader: FeatureReader) -> Iterator[Batch]:
-    """The held-out sequences (16 per batch, as the trainer groups them), re-scored by the runtime's target."""
+def runtime_batches(engine: Engine, reader: FeatureReader, aux: list[int] = ()) -> Iterator[Batch]:
+    """The held-out sequences (16 per batch, as the trainer groups them), re-scored by the runtime's target, with
+    the outputs of layers ``aux`` as ``Batch.aux``."""
     refs = reader.heldout
     topk = reader.manifest.topk
     for i in range(0, len(refs), 16):
         parts = [reader.load(r) for r in refs[i : i + 16]]
         seqs = [p["input_ids"].long().tolist() for p in parts]
-        out = engine.score(seqs, layers=[-1], topk=topk)
+        out = engine.score(seqs, layers=[*aux, -1], topk=topk)
         yield Batch(
             tokens=torch.cat([p["input_ids"].long() for p in parts]),
-            hidden=out.hidden[:, 0].float(),
+            hidden=out.hidden[:, -1].float(),
             loss_mask=torch.cat([p["loss_mask"].bool() for p in parts]),
             topk_logprobs=out.topk_logprobs.float(),
             topk_ids=out.topk_ids.long(),
             tail_logprob=out.tail_logprob.float(),
             cu_seqlens=out.cu_seqlens.tolist(),
+            aux=out.hidden[:, :-1].flatten(1).float() if aux else None,
         )
 
 
@@ -77,9 +79,12 @@ def runtime_validation(engine: Engine, drafter: HeadDrafter, reader: FeatureRead
     Under tensor parallelism every rank scores (a collective forward) and only the leader, which holds the
     head, computes the metrics; the other ranks return ``{}``.
     """
+    batches = runtime_batches(engine, reader, drafter.capture)
     if not drafter.leader:
-        for _ in runtime_batches(engine, reader):
+        for _ in batches:
             pass
         return {}
-    return validate(drafter.head, runtime_frozen(engine), runtime_batches(engine, reader), weights,
-                    forward=paged_forward(drafter))
+    # An eagle3 head's later steps attend to earlier steps' keys at their own row (training-time test), which no
+    # paged step plan expresses; it is validated over the runtime's target states with its training attention.
+    forward = None if drafter.head.spec.kind == "eagle3" else paged_forward(drafter)
+    return validate(drafter.head, runtime_frozen(engine), batches, weights, forward=forward)

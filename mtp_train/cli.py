@@ -19,7 +19,7 @@ mtp-train {precompute,train,eval,report,export} RECIPE.yaml [KEY.PATH=VALUE ...]
 mtp-train verify FEATURES_DIR                               check every shard's checksum
 mtp-train precompute RECIPE.yaml [--overwrite] [--rank R --world-size W]
 mtp-train {eval,report} RECIPE.yaml [--baseline OLD/report.json]
-mtp-train export RECIPE.yaml --format {vllm,sglang} [--out DIR]
+mtp-train export RECIPE.yaml --format {vllm,sglang,speculators} [--out DIR]
 mtp-train slurm RECIPE.yaml [KEY.PATH=VALUE ...] [--nodes N --gpus-per-node G --cpu ...] [--dry-run] [--wait]"""
 
 DESCRIPTION = """\
@@ -31,7 +31,7 @@ stages:
   train       train the draft head on the features against the frozen embedding and lm_head
   eval        speculative decoding with the head: acceptance, speedup, lossless check
   report      write the JSON, Markdown and HTML release report
-  export      write the trained head in a serving engine's format (--format vllm|sglang)
+  export      write the trained head in a serving engine's format (--format vllm|sglang|speculators)
   verify      check a features directory against its manifest
   slurm       render the sbatch scripts for a recipe and submit them as a chain (slurm --help)
 
@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name in ("eval", "report"):
             p.add_argument("--baseline", type=Path, help="an earlier report.json: add deltas and flag regressions")
         if name == "export":
-            p.add_argument("--format", dest="export_format", required=True, choices=("vllm", "sglang"),
+            p.add_argument("--format", dest="export_format", required=True, choices=("vllm", "sglang", "speculators"),
                            help="the serving engine whose format to write")
             p.add_argument("--out", type=Path, help="output directory (default: OUTPUT_DIR/export/KIND-FORMAT)")
     verify = sub.add_parser("verify", help=argparse.SUPPRESS)

@@ -34,6 +34,8 @@ from eval.report import FILES, load_report
 from mtp_train.errors import UserError
 from mtp_train.heads.conventions import ENGINE_NAMES, LOADER_FAMILIES, choices, served_by
 from mtp_train.heads.deepseek_layout import SHARED_COPIES, to_deepseek
+from mtp_train.heads.eagle3 import default_aux_layers
+from mtp_train.heads.eagle3_layout import eagle3_config, to_eagle3
 from mtp_train.heads.frozen import FrozenTarget
 from mtp_train.io import fresh_dir, replace_dir, write_atomic, write_json_atomic
 from mtp_train.models.config import ModelConfig
@@ -41,7 +43,7 @@ from mtp_train.recipe import Recipe
 from mtp_train.train.checkpoint import head_to_hf, load_trained_head
 from mtp_train.train.trainer import head_dir
 
-FORMATS = ("vllm", "sglang")
+FORMATS = ("vllm", "sglang", "speculators")
 ARCHITECTURES = {"vllm": "EagleLlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"}
 # Keys of the target's config that describe its checkpoint, not the head's.
 DROPPED_KEYS = ("quantization_config", "auto_map", "_name_or_path", "transformers_version")
@@ -62,12 +64,17 @@ def export_head(recipe: Recipe, fmt: str, out: Path | None = None) -> Path:
         raise UserError(f"{root}: no trained {recipe.head.kind} head; run `mtp-train train` first")
     head = load_trained_head(root, recipe.target.path, target)  # another target, hidden size or vocabulary: refused
     spec = head.spec
-    _check_servable(spec.kind, spec.choices, target.family, fmt, root)
+    if fmt == "speculators" and spec.kind != "eagle3":
+        raise UserError(f"--format speculators: {root} is an {spec.kind} head; the speculators format holds eagle3 "
+                        "heads here (train head.kind=eagle3), or export this one with --format vllm or sglang")
+    _check_servable(spec.kind, spec.choices, target.family, "vllm" if fmt == "speculators" else fmt, root)
 
     out = out or default_out(recipe, fmt)
     tmp = fresh_dir(out.with_name(f".{out.name}.tmp"))
     tensors = head_to_hf(head)
-    if spec.kind == "mtp":
+    if spec.kind == "eagle3":
+        tensors = to_eagle3(tensors, target.vocab_size, "layers.0." if fmt == "speculators" else "midlayer.")
+    elif spec.kind == "mtp":
         tensors = to_deepseek(tensors, target.num_layers)
         frozen = FrozenTarget.load(recipe.target.path)
         for name, weight in zip(SHARED_COPIES, (frozen.embed_weight, frozen.lm_head_weight)):
@@ -76,7 +83,7 @@ def export_head(recipe: Recipe, fmt: str, out: Path | None = None) -> Path:
         tensors["fc.bias"] = tensors["fc.weight"].new_zeros(tensors["fc.weight"].shape[0])
     save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
     trained = json.loads((root / "config.json").read_text(encoding="utf-8"))
-    write_json_atomic(tmp / "config.json", _config(target_config, spec, fmt, trained))
+    write_json_atomic(tmp / "config.json", _config(target_config, spec, fmt, trained, str(recipe.target.path)))
     write_atomic(tmp / "README.md", model_card(recipe, spec, fmt, trained))
     replace_dir(tmp, out)
     return out
@@ -101,15 +108,19 @@ def _check_servable(kind: str, head, family: str, fmt: str, root: Path) -> None:
                     f"{head.describe()}, {engine} {want.describe()}; train it again with head.convention={fmt}")
 
 
-def _config(target_config: dict, spec, fmt: str, trained: dict) -> dict:
+def _config(target_config: dict, spec, fmt: str, trained: dict, target_path: str) -> dict:
     """The target's config made the head's (``num_hidden_layers``, ``architectures``, the weights' dtype), plus a
     record of how it was trained (``mtp_train``, ignored by the engines)."""
     config = {k: v for k, v in target_config.items() if k not in DROPPED_KEYS}
-    if spec.kind == "mtp":  # the target's config, its layers kept: the MTP layer is found at index num_hidden_layers
+    if spec.kind == "eagle3":
+        config = eagle3_config(config, target_path, list(spec.aux_layers), _default_aux(spec.target),
+                               spec.draft_vocab, fmt)
+    elif spec.kind == "mtp":  # the target's config, its layers kept: the MTP layer is found at index num_hidden_layers
         config.update(num_nextn_predict_layers=1, torch_dtype="float32")
     else:
         config.update(architectures=[ARCHITECTURES[fmt]], num_hidden_layers=spec.num_layers, torch_dtype="float32")
-    config.pop("dtype", None)
+    if spec.kind != "eagle3":
+        config.pop("dtype", None)
     if fmt == "sglang" and spec.kind == "eagle":
         config["bias"] = True  # SGLang's fc bias flag; the exported bias is zero
     config["mtp_train"] = {"head_kind": spec.kind, "convention": spec.convention, "hidden_input": spec.hidden_input,
@@ -119,6 +130,14 @@ def _config(target_config: dict, spec, fmt: str, trained: dict) -> dict:
     return config
 
 
+def _default_aux(cfg: ModelConfig) -> list[int]:
+    """The engines' default aux layers for this target, or none where a shallow target has no valid default."""
+    try:
+        return default_aux_layers(cfg)
+    except UserError:
+        return []
+
+
 def model_card(recipe: Recipe, spec, fmt: str, trained: dict) -> str:
     """A short README for the exported directory."""
     report_path = recipe.output_dir / "eval" / FILES["json"]
@@ -126,7 +145,7 @@ def model_card(recipe: Recipe, spec, fmt: str, trained: dict) -> str:
              f"- Target: `{recipe.target.path}` (fingerprint `{spec.target_fingerprint[:16]}`), "
              f"{spec.target.num_layers} layers, hidden {spec.target.hidden_size}, vocab {spec.target.vocab_size}.",
              f"- Head: {spec.kind}, {spec.num_layers} decoder layer(s), convention `{spec.convention}`: it "
-             f"{spec.choices.describe()}.",
+             f"{spec.describe()}.",
              f"- Data: {', '.join(f'`{p.name}`' for p in recipe.data.train)}"
              + (", answers regenerated by the target" if recipe.data.regenerate else "")
              + f"; {trained.get('steps', '?')} training steps.",
@@ -145,11 +164,13 @@ def model_card(recipe: Recipe, spec, fmt: str, trained: dict) -> str:
         for p in sorted((p for p in report.sweep if p.temperature == 0), key=lambda p: p.k):
             mal = "—" if p.engine_acceptance is None else f"{p.engine_acceptance.mean_acceptance_length:.3f}"
             lines.append(f"| {p.k} | {p.tau:.3f} | {mal} |")
-    method = "mtp" if spec.kind == "mtp" else "eagle"
-    serve = {"vllm": ["```python", f'LLM(model="{recipe.target.path}", speculative_config={{"method": "{method}", '
-                               '"model": "THIS_DIR", "num_speculative_tokens": 3})', "```"],
+    method = {"mtp": "mtp", "eagle": "eagle", "eagle3": "eagle3"}[spec.kind]
+    vllm = ["```python", f'LLM(model="{recipe.target.path}", speculative_config={{"method": "{method}", '
+                         '"model": "THIS_DIR", "num_speculative_tokens": 3})', "```"]
+    serve = {"vllm": vllm, "speculators": vllm,
              "sglang": ["```", f"python -m sglang.launch_server --model-path {recipe.target.path} "
-                               "--speculative-algorithm EAGLE --speculative-draft-model-path THIS_DIR "
+                               f"--speculative-algorithm {'EAGLE3' if spec.kind == 'eagle3' else 'EAGLE'} "
+                               "--speculative-draft-model-path THIS_DIR "
                                "--speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4",
                         "```"]}
     lines += ["", f"Serve it ({ENGINE_NAMES[fmt]}):", "", *serve[fmt], ""]

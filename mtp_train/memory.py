@@ -22,11 +22,13 @@ from dataclasses import dataclass
 import torch
 
 from mtp_train.heads import build_head, head_spec
+from mtp_train.heads.eagle3 import aux_layers_for
 from mtp_train.models.config import ModelConfig
 from mtp_train.recipe import Recipe
 from mtp_train.runtime.engine import LOGITS_CHUNK
 from mtp_train.runtime.kv_cache import KVPool
 from mtp_train.train.loss import CHUNK_BYTES
+from mtp_train.train.vocab import draft_vocab_size
 
 GIB = 2**30
 H100_BYTES = 80 * 10**9  # an H100 80 GB reports about 79.1 GiB
@@ -156,14 +158,14 @@ def scoring_activation_bytes(cfg: ModelConfig, recipe: Recipe, itemsize: int) ->
     logits = 3 * LOGITS_CHUNK * cfg.vocab_size * 4  # fp32 logits, their log-softmax and the top-K's scratch
     if cfg.mla is None and cfg.moe is None:
         qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim // tp
-        per_token = (4 + len(recipe.precompute.layers)) * h + 2 * qkv + 3 * cfg.intermediate_size // tp
+        per_token = (4 + _stored(recipe, cfg)) * h + 2 * qkv + 3 * cfg.intermediate_size // tp
         return tokens * per_token * itemsize + logits
     attention = _mla_activation_elems(cfg, tp)
     dense = 3 * cfg.intermediate_size // tp if cfg.moe is None or cfg.moe.first_dense_layers > 0 else 0
     has_moe = cfg.moe is not None and cfg.num_layers > cfg.moe.first_dense_layers
     moe, routing = _moe_activation(cfg, tp) if has_moe else (0, 0)
     mlp_bytes = max(dense * itemsize, moe * itemsize + routing)
-    per_token = ((4 + len(recipe.precompute.layers)) * h + attention) * itemsize + mlp_bytes
+    per_token = ((4 + _stored(recipe, cfg)) * h + attention) * itemsize + mlp_bytes
     return tokens * per_token + logits + _mla_kernel_bytes(cfg, tp, min(recipe.data.max_length, tokens))
 
 
@@ -202,13 +204,28 @@ class _FlashLikeAttention:
         return _FlashSaves.apply(q, k, v)
 
 
+def _stored(recipe: Recipe, cfg: ModelConfig) -> int:
+    """Layers precompute captures per token (``precompute.layers``, and an eagle3 head's)."""
+    extra = [k - 1 for k in aux_layers_for(recipe.head.aux_layers, cfg)] if "eagle3" in (
+        recipe.head.kind, *recipe.eval.compare) else []
+    return len({lid % cfg.num_layers for lid in recipe.precompute.layers} | {cfg.num_layers - 1} | set(extra))
+
+
+def _plan_spec(recipe: Recipe, cfg: ModelConfig):
+    """The head the trainer would build for ``recipe`` (an eagle3 head's aux layers and draft vocabulary included)."""
+    eagle3 = recipe.head.kind == "eagle3"
+    return head_spec(recipe.head.kind, recipe.head.num_layers, cfg, "plan", recipe.head.convention,
+                     tuple(aux_layers_for(recipe.head.aux_layers, cfg)) if eagle3 else (),
+                     draft_vocab_size(recipe.head.draft_vocab, cfg.vocab_size) if eagle3 else 0)
+
+
 def head_activation_bytes_per_token(recipe: Recipe, cfg: ModelConfig) -> int:
     """Bytes autograd saves per token for one unrolled step of the head, counted on the meta device (for MLA the
     linear term of ``head_activation_terms``)."""
     if cfg.mla is not None:
         return head_activation_terms(recipe, cfg)[0]
     tokens = 1024
-    spec = head_spec(recipe.head.kind, recipe.head.num_layers, cfg, "plan", recipe.head.convention)
+    spec = _plan_spec(recipe, cfg)
     with torch.device("meta"):
         head = build_head(spec)
         embeds, hidden = torch.empty(tokens, cfg.hidden_size), torch.empty(tokens, cfg.hidden_size)
@@ -247,7 +264,7 @@ def mla_head_saved_bytes(recipe: Recipe, cfg: ModelConfig, cu_seqlens: list[int]
     from mtp_train.heads.attention import DocumentCausalAttention
 
     tokens = cu_seqlens[-1]
-    spec = head_spec(recipe.head.kind, recipe.head.num_layers, cfg, "plan", recipe.head.convention)
+    spec = _plan_spec(recipe, cfg)
     with torch.device(device):
         head = build_head(spec)
         embeds, hidden = torch.randn(tokens, cfg.hidden_size), torch.randn(tokens, cfg.hidden_size)
@@ -305,7 +322,7 @@ def head_parameter_count(recipe: Recipe, cfg: ModelConfig) -> int:
     of the target's attention (MLA for DeepSeek) with the MLP its ``HeadSpec`` asks for (the target's dense MLP of
     ``intermediate_size``, or its experts where ``head_spec`` sets ``moe``), plus the kind's own parts (``mtp``:
     enorm, hnorm, eh_proj, shared_head.norm)."""
-    spec = head_spec(recipe.head.kind, recipe.head.num_layers, cfg, "plan", recipe.head.convention)
+    spec = _plan_spec(recipe, cfg)
     with torch.device("meta"):
         return sum(p.numel() for p in build_head(spec).parameters())
 
@@ -335,7 +352,8 @@ def memory_plan(cfg: ModelConfig, recipe: Recipe, gpu_bytes: int = H100_BYTES) -
     zero = TRAIN_RANKS if tr.engine == "deepspeed" else 1
     grads = head_params * 4 // (zero if tr.engine == "deepspeed" and tr.zero_stage == 2 else 1)
     frozen = cfg.vocab_size * cfg.hidden_size * 4 * (1 if cfg.tie_word_embeddings else 2)
-    features = tr.batch_tokens * (cfg.hidden_size * 4 + recipe.precompute.topk * 12 + 16)
+    layers = 4 if recipe.head.kind == "eagle3" else 1  # the last layer, and an eagle3 head's three (Batch.aux)
+    features = tr.batch_tokens * (layers * cfg.hidden_size * 4 + recipe.precompute.topk * 12 + 16)
     activations = train_activation_bytes(recipe, cfg)
     train = StagePlan("train", {"frozen": frozen, "head+grads+AdamW": head_params * 4 + grads + head_params * 8 // zero,
                                 "features": features, "activations": activations, "loss": 4 * CHUNK_BYTES},

@@ -141,10 +141,21 @@ class PrecomputeConfig(Section):
 class HeadConfig(Section):
     """The draft head to train."""
 
-    kind: Literal["mtp", "eagle"] = Field(
-        "mtp", description="`mtp`: DeepSeek-V3 layout with the RMSNorms restored. `eagle`: the EAGLE-1 baseline."
+    kind: Literal["mtp", "eagle", "eagle3"] = Field(
+        "mtp", description="`mtp`: DeepSeek-V3 layout with the RMSNorms restored. `eagle`: the EAGLE-1 baseline. "
+        "`eagle3`: EAGLE-3, over three target layers, with a draft vocabulary of its own, trained with training-time "
+        "test (`train.unroll` steps).",
     )
-    num_layers: PositiveInt = Field(1, description="Decoder layers in the head.")
+    num_layers: PositiveInt = Field(1, description="Decoder layers in the head (an `eagle3` head has 1).")
+    aux_layers: list[int] | None = Field(
+        None, description="`eagle3`: the three target layers it reads, as vLLM and SGLang number them (id k: the input "
+        "of decoder block k, i.e. the output of layer k - 1). Null: the engines' default `[2, L//2, L-3]`. "
+        "Precompute stores these layers.",
+    )
+    draft_vocab: PositiveInt | None = Field(
+        32000, description="`eagle3`: rows of its own lm_head, the N most frequent assistant tokens of the training "
+        "features (mapped to target ids by `d2t`). Null, or at least the target's vocabulary: the full vocabulary.",
+    )
     init: Literal["random", "target_last_layer"] = Field(
         "random", description="Initialise the head's decoder layer randomly or from the target's last layer. "
         "Applies to `mtp` heads only: an `eagle` head always starts random, because its output feeds the lm_head "
@@ -226,7 +237,7 @@ class EvalConfig(Section):
         "their lm_head is those N rows of the frozen one, so a draft step reads N rows instead of the vocabulary's "
         "(verification, and so the output, is unchanged). Null: the full vocabulary.",
     )
-    compare: list[Literal["mtp", "eagle", "bigram", "target_mtp"]] = Field(
+    compare: list[Literal["mtp", "eagle", "eagle3", "bigram", "target_mtp"]] = Field(
         [], description="Other drafts decoded on the same prompts for comparison: head kinds (trained by the "
         "`train` stage beside `head.kind`), `bigram`, each token's most frequent successor in the features, and "
         "`target_mtp`, the target checkpoint's own MTP layer.",

@@ -142,7 +142,7 @@ def regenerate(rows: list[Row], tokenizer: Any, engine: Engine, sampling: Sampli
             else:
                 finished.append(r)
         while not scheduler.done:
-            scheduled, _ = engine.step(scheduler)
+            scheduled, _, _ = engine.step(scheduler)
             tokens = 0
             for seq, _ in scheduled:
                 if seq.status is not Status.FINISHED:

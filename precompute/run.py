@@ -19,7 +19,10 @@ from pathlib import Path
 import torch
 
 from mtp_train.errors import UserError
+from mtp_train.heads.eagle3 import aux_layers_for
+from mtp_train.hf_checkpoint import find_checkpoint
 from mtp_train.io import crash_point, group_by_tokens
+from mtp_train.models.config import ModelConfig
 from mtp_train.progress import Progress
 from mtp_train.recipe import Recipe
 from mtp_train.threads import set_threads, warn_if_oversubscribed
@@ -66,14 +69,31 @@ def resolve_worker(rank: int | None, world: int | None, tp: int) -> Worker:
     return w
 
 
-def recipe_settings(recipe: Recipe, world: int) -> dict:
+def stored_layers(recipe: Recipe, cfg: ModelConfig) -> list[int]:
+    """The decoder layers whose outputs precompute stores, ascending, the last layer last: ``precompute.layers``
+    and, when an ``eagle3`` head is trained (``head.kind`` or ``eval.compare``), the layers it reads (the outputs of
+    layers ``k - 1`` for its aux ids ``k``)."""
+    ids = {lid % cfg.num_layers for lid in recipe.precompute.layers} | {cfg.num_layers - 1}
+    return sorted(ids | set(eagle3_layers(recipe, cfg)))
+
+
+def eagle3_layers(recipe: Recipe, cfg: ModelConfig) -> list[int]:
+    """Outputs of these layers are what an ``eagle3`` head of the recipe reads (none when it trains no such head)."""
+    if "eagle3" not in [recipe.head.kind, *recipe.eval.compare]:
+        return []
+    return [k - 1 for k in aux_layers_for(recipe.head.aux_layers, cfg)]
+
+
+def recipe_settings(recipe: Recipe, world: int, cfg: ModelConfig) -> dict:
     """Everything that changes the features' content or layout; a rerun must match it exactly."""
     d, p = recipe.data, recipe.precompute
+    extra = eagle3_layers(recipe, cfg)
     return {
         "format": d.format, "max_length": d.max_length, "max_rows": d.max_rows, "skip_bad_rows": d.skip_bad_rows,
         "heldout_rows": d.heldout_rows, "regenerate": d.regenerate,
         "sampling": d.sampling.model_dump() if d.regenerate else None,
         "seed": recipe.seed, "layers": p.layers, "topk": p.topk, "shard_tokens": p.shard_tokens, "world_size": world,
+        **({"eagle3_layers": extra} if extra else {}),
     }
 
 
@@ -159,7 +179,8 @@ def run_precompute(
     worker = resolve_worker(rank, world, recipe.target.tp)
     out, target = recipe.features_dir, recipe.target.path
     tokenizer = load_tokenizer(recipe)
-    settings = recipe_settings(recipe, worker.world)
+    cfg = ModelConfig.from_hf(find_checkpoint(target).config, str(target / "config.json"))
+    settings = recipe_settings(recipe, worker.world, cfg)
     check_data_files(recipe)
     fingerprint = {
         "target": target_fingerprint(target),
@@ -206,7 +227,7 @@ def run_precompute(
 
     manifest = old or Manifest(
         ranks=[worker.rank], world_size=worker.world, fingerprint=fingerprint, settings=settings,
-        layers=[lid % engine.cfg.num_layers for lid in recipe.precompute.layers], hidden_size=engine.cfg.hidden_size,
+        layers=stored_layers(recipe, cfg), hidden_size=engine.cfg.hidden_size,
         topk=recipe.precompute.topk, regenerated=recipe.data.regenerate,
         sampling=recipe.data.sampling.model_dump() if recipe.data.regenerate else None,
         row_ids=mine, heldout_row_ids=sorted(heldout_ids_from(all_ids, recipe)),
@@ -244,7 +265,7 @@ def run_precompute(
             crash_point("forward", index)
             seqs = [(encoded[i][0], encoded[i][1]) for i in plan[index]]
             progress.note = f"shard {index + 1}/{len(plan)}"
-            scored = engine.score([ids for ids, _ in seqs], layers=recipe.precompute.layers,
+            scored = engine.score([ids for ids, _ in seqs], layers=manifest.layers,
                                   topk=recipe.precompute.topk, on_batch=lambda n: progress.update(n, tokens=n))
             if writer is not None:
                 meta = {"format_version": "1", "rank": str(worker.rank),

@@ -47,24 +47,36 @@ def cli():
     return run_cli
 
 
-@pytest.fixture(scope="session")
-def trained_run(tmp_path_factory) -> Path:
-    """A small real run on the tiny target: features of 60 SGD dialogues and an ``mtp`` head trained on them
-    for 60 steps. Returns the recipe path; its outputs are under ``run/`` beside it."""
+def _tiny_run(tmp: Path, head: dict, unroll: int, k: list[int]) -> Path:
+    """Features of 60 SGD dialogues on the tiny target (8 held out) and a head trained on them for 60 steps; the
+    recipe path (outputs under ``run/`` beside it)."""
     from precompute_helpers import make_recipe, sgd_rows, write_jsonl
 
-    tmp = tmp_path_factory.mktemp("trained")
     data = write_jsonl(tmp / "sgd.jsonl", sgd_rows(60, split="train"))
     recipe = make_recipe(
-        tmp, data, data={"heldout_rows": 8}, precompute={"layers": [-1], "topk": 16},
-        train={"batch_tokens": 2048, "lr": 3e-3, "warmup_steps": 5, "unroll": 2, "max_steps": 60, "val_every": 60,
+        tmp, data, data={"heldout_rows": 8}, precompute={"layers": [-1], "topk": 16}, head=head,
+        train={"batch_tokens": 2048, "lr": 3e-3, "warmup_steps": 5, "unroll": unroll, "max_steps": 60, "val_every": 60,
                "save_every": 60, "wandb_mode": "disabled"},
-        eval={"k": [1, 2], "temperatures": [0.0], "prompt_sets": ["heldout"], "max_prompts": 8, "max_new_tokens": 24},
+        eval={"k": k, "temperatures": [0.0], "prompt_sets": ["heldout"], "max_prompts": 8, "max_new_tokens": 24},
     )
     for stage in ("precompute", "train"):
         proc = run_cli(stage, recipe, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
     return recipe
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory) -> Path:
+    """A small real run on the tiny target: an ``mtp`` head (2 unrolled steps) on ``_tiny_run``'s features."""
+    return _tiny_run(tmp_path_factory.mktemp("trained"), {"kind": "mtp"}, 2, [1, 2])
+
+
+@pytest.fixture(scope="session")
+def eagle3_run(tmp_path_factory) -> Path:
+    """An ``eagle3`` head on the same kind of run: aux layers [1, 2, 3] (precompute adds the outputs of layers 0-2 to
+    the last one's), a draft vocabulary of 1,024 of the 4,096 ids, 3 unrolled steps of training-time test."""
+    return _tiny_run(tmp_path_factory.mktemp("eagle3"), {"kind": "eagle3", "aux_layers": [1, 2, 3], "draft_vocab": 1024},
+                     3, [1, 2, 3])
 
 
 def sgd_chat_prompts(count: int, cycle: int) -> list[list[int]]:

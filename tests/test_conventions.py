@@ -16,7 +16,8 @@ from mtp_train.heads.base import HeadSpec
 from mtp_train.heads.conventions import Choices, served_by, validity_line
 from mtp_train.runtime.engine import Engine
 from mtp_train.runtime.sampling import SamplingParams
-from mtp_train.runtime.speculative import HeadDrafter, SpeculativeDecoder
+from mtp_train.runtime.drafters import HeadDrafter
+from mtp_train.runtime.speculative import SpeculativeDecoder
 
 CASES = [("mtp", "native"), ("mtp", "vllm"), ("mtp", "sglang"), ("eagle", "native"), ("eagle", "vllm")]
 
@@ -36,7 +37,7 @@ def test_each_convention_sets_what_the_engines_do():
     assert served_by("mtp", got[("mtp", "vllm")], "deepseek_v3") == ["vllm"]
     assert served_by("mtp", got[("mtp", "native")], "deepseek_v3") == []
     assert "no serving engine loads an MTP layer for a llama target" in validity_line("mtp", got[("mtp", "vllm")], "llama")
-    assert "EAGLE-1 loaders build a Llama decoder layer, not a qwen2" in validity_line("eagle", got[("eagle", "vllm")],
+    assert "EAGLE loaders build a Llama decoder layer, not a qwen2" in validity_line("eagle", got[("eagle", "vllm")],
                                                                                        "qwen2")
 
 
@@ -70,7 +71,7 @@ def test_the_runtimes_draft_forward_is_the_trainers(kind, convention):
     scheduler, (seq,) = engine.start([prompt], SamplingParams(max_new_tokens=1), draft_allocator=drafter.allocator)
     drafter.allocator.reserve(seq.draft_pages, m)
     with torch.inference_mode():
-        drafter.forward([drafter.feed(seq, 0, 0, hidden[:m])])
+        drafter.forward([drafter.feed(seq, 0, 0, drafter.features(hidden[:m], []))])
         logits, fed_back = drafter.carried[seq.request_id]
 
         post = {"native": kind == "eagle", "vllm": True, "sglang": True}[convention]

@@ -65,7 +65,7 @@ def test_runtime_validation_equals_the_trainer_module(trained_run):
     from mtp_train.heads.frozen import FrozenTarget
     from mtp_train.recipe import load_recipe
     from mtp_train.runtime.engine import Engine
-    from mtp_train.runtime.speculative import HeadDrafter
+    from mtp_train.runtime.drafters import HeadDrafter
     from mtp_train.train.checkpoint import load_head
     from mtp_train.train.trainer import heldout_batches, loss_weights, validate
     from precompute.reader import FeatureReader

@@ -13,7 +13,8 @@ from mtp_train.models.checkpoint import load_transformer
 from mtp_train.runtime.engine import Engine, GenerationResult
 from mtp_train.runtime.sampling import SamplingParams
 from mtp_train.runtime.sequence import RequestStats
-from mtp_train.runtime.speculative import DraftModelDrafter, SpecTimings, SpeculativeDecoder
+from mtp_train.runtime.drafters import DraftModelDrafter
+from mtp_train.runtime.speculative import SpecTimings, SpeculativeDecoder
 
 GREEDY = SamplingParams(max_new_tokens=16, stop_token_ids=())
 BF16 = NEAR_TIE.format(dtype="bf16")

@@ -138,7 +138,7 @@ def test_only_the_leader_holds_the_draft_on_the_gpu(monkeypatch, rank):
     from mtp_train.models.checkpoint import load_transformer
     from mtp_train.models.tp import TensorParallel
     from mtp_train.runtime.engine import Engine
-    from mtp_train.runtime.speculative import DraftModelDrafter, HeadDrafter
+    from mtp_train.runtime.drafters import DraftModelDrafter, HeadDrafter
 
     with fake_cuda(monkeypatch):
         engine = Engine.from_pretrained(TINY_TARGET, device="cuda", num_pages=64)

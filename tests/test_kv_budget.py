@@ -13,7 +13,8 @@ from mtp_train.models.tp import TensorParallel
 from mtp_train.recipe import TargetConfig
 from mtp_train.runtime.engine import CPU_KV_BYTES, Engine, kv_budget
 from mtp_train.runtime.sampling import SamplingParams
-from mtp_train.runtime.speculative import HeadDrafter, SpeculativeDecoder
+from mtp_train.runtime.drafters import HeadDrafter
+from mtp_train.runtime.speculative import SpeculativeDecoder
 
 
 def _target(**fields) -> TargetConfig:

@@ -13,7 +13,8 @@ from hf_models import save_random_model
 from mtp_train.models.checkpoint import load_transformer
 from mtp_train.runtime.engine import Engine
 from mtp_train.runtime.sampling import SamplingParams
-from mtp_train.runtime.speculative import DraftModelDrafter, HeadDrafter, SpeculativeDecoder
+from mtp_train.runtime.drafters import DraftModelDrafter, HeadDrafter
+from mtp_train.runtime.speculative import SpeculativeDecoder
 from mtp_train.train.checkpoint import load_head
 
 GREEDY = SamplingParams(max_new_tokens=12, stop_token_ids=())
@@ -74,6 +75,18 @@ def test_mtp_greedy_is_lossless_with_a_trained_head(prompts, reference, trained_
         assert sum(r.stats.preemptions for r in out) > 0
 
 
+@pytest.mark.parametrize("k,max_seqs,pages", [c if c == (3, 8, PRESSURE_PAGES) else pytest.param(*c, marks=pytest.mark.slow)
+                                               for c in CASES])
+def test_eagle3_greedy_is_lossless_with_a_trained_head(prompts, reference, eagle3_run, k, max_seqs, pages):
+    """An eagle3 head drafts from its 1,024-id vocabulary over three target layers' states."""
+    head = load_head(eagle3_run.parent / "run" / "heads" / "eagle3")
+    out = decode(prompts, lambda e: HeadDrafter(e, head), k, max_seqs, pages)
+    assert [r.tokens for r in out] == reference
+    assert sum(a for r in out for a in r.stats.accepted) > 0, "a trained head has some drafts accepted"
+    if pages:
+        assert sum(r.stats.preemptions for r in out) > 0
+
+
 @pytest.mark.parametrize("k", [1, 3])
 def test_an_identical_draft_is_always_accepted(prompts, reference, k):
     """The target as its own draft: every step accepts all k drafts, so tau = k + 1 (bonus included)."""
@@ -106,13 +119,17 @@ def test_a_head_drafter_is_named_after_its_head_kind(kind):
     assert HeadDrafter(engine, _random_head(engine, kind)).name == kind
 
 
-def test_sampling_distribution_equals_the_target(random_draft):
+@pytest.mark.parametrize("draft", ["draft_target", "eagle3"])
+def test_sampling_distribution_equals_the_target(random_draft, eagle3_run, draft):
     """At temperature 1, the second and third generated tokens (both speculative) follow the target's
-    distribution: chi-square of speculative against plain sampling over 600 seeds each."""
+    distribution: chi-square of speculative against plain sampling over 600 seeds each. The eagle3 head drafts
+    from a reduced vocabulary, so the residual distribution also covers the ids it cannot draft."""
     prompt = [0, 5, 300, 301, 302, 6]
     params = [SamplingParams(temperature=1.0, max_new_tokens=3, stop_token_ids=(), seed=s) for s in range(600)]
     plain = Engine.from_pretrained(TINY_TARGET, max_seqs=64).generate([prompt] * 600, params)
-    spec = decode([prompt] * 600, lambda e: DraftModelDrafter(e, load_transformer(random_draft)), 2, 64, params=params)
+    make = ((lambda e: DraftModelDrafter(e, load_transformer(random_draft))) if draft == "draft_target" else
+            (lambda e: HeadDrafter(e, load_head(eagle3_run.parent / "run" / "heads" / "eagle3"))))
+    spec = decode([prompt] * 600, make, 2, 64, params=params)
     for position in (1, 2):
         a = Counter(r.tokens[position] for r in plain)
         b = Counter(r.tokens[position] for r in spec)

@@ -10,7 +10,8 @@ import torch
 from mtp_train.models.checkpoint import load_transformer
 from mtp_train.models.tp import init_tensor_parallel
 from mtp_train.runtime.engine import Engine
-from mtp_train.runtime.speculative import DraftModelDrafter, SpeculativeDecoder
+from mtp_train.runtime.drafters import DraftModelDrafter
+from mtp_train.runtime.speculative import SpeculativeDecoder
 from mtp_train.runtime.sampling import SamplingParams
 
 

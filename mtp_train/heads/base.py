@@ -49,10 +49,19 @@ class HeadSpec:
     feedback: str = "output"
     convention: str = "native"
     moe: bool = False  # the decoder layer has the target's experts (DeepSeek: the layer type at index L, as its MTP)
+    aux_layers: tuple[int, ...] = ()  # eagle3: the target layers whose inputs it reads (EXPORT.md 3.4's numbering)
+    draft_vocab: int = 0  # eagle3: rows of its own lm_head (0: the head uses the frozen lm_head)
 
     @property
     def choices(self) -> Choices:
         return Choices(self.hidden_input, self.feedback, self.zero_embed_at_position0)
+
+    def describe(self) -> str:
+        """What the head reads, feeds back and drafts from, in words (reports and model cards)."""
+        if self.kind != "eagle3":
+            return self.choices.describe()
+        return (f"reads fc of the target's states entering layers {list(self.aux_layers)}, feeds back its decoder "
+                f"output, drafts from {self.draft_vocab:,} of the {self.target.vocab_size:,} ids")
 
     def to_json(self) -> dict:
         return {"architectures": [HEADS[self.kind].__name__], "head_kind": self.kind, **dataclasses.asdict(self)}
@@ -62,7 +71,8 @@ class HeadSpec:
         try:
             spec = cls(data["kind"], int(data["num_layers"]), ModelConfig.from_json(data["target"]), data["target_fingerprint"],
                        data["hidden_input"], bool(data["zero_embed_at_position0"]), data.get("feedback", "output"),
-                       data.get("convention", "native"), bool(data.get("moe", False)))
+                       data.get("convention", "native"), bool(data.get("moe", False)),
+                       tuple(int(i) for i in data.get("aux_layers", ())), int(data.get("draft_vocab", 0)))
         except KeyError as e:
             raise UserError(f"{source}: not a head config (no {e.args[0]!r} field)") from None
         except (TypeError, ValueError) as e:
@@ -121,14 +131,17 @@ class DraftHead(nn.Module):
 
 
 def head_spec(kind: str, num_layers: int, target: ModelConfig, fingerprint: str,
-              convention: str = "native") -> HeadSpec:
+              convention: str = "native", aux_layers: tuple[int, ...] = (), draft_vocab: int = 0) -> HeadSpec:
+    """``aux_layers`` and ``draft_vocab``: an eagle3 head's (ignored by the other kinds)."""
     if kind not in HEADS:
         raise UserError(f"head.kind: {kind!r} is not a head; choose one of {sorted(HEADS)}")
     c = choices(kind, convention)
+    eagle3 = kind == "eagle3"
     # A DeepSeek head's layer is of the type the target would have at index L (its own MTP layer's): with experts
     # past the dense first layers, so that the DeepSeek layout's loaders build it as trained.
     return HeadSpec(kind, num_layers, target, fingerprint, c.hidden_input, c.zero_embed_at_position0, c.feedback,
-                    convention, target.is_moe_layer(target.num_layers))
+                    convention, target.is_moe_layer(target.num_layers) and not eagle3,
+                    tuple(aux_layers) if eagle3 else (), draft_vocab if eagle3 else 0)
 
 
 def build_head(spec: HeadSpec) -> DraftHead:

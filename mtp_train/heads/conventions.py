@@ -14,6 +14,7 @@
 | mtp | vllm | post_norm | head_norm | yes | vLLM's DeepSeek MTP (DeepSeek-V3-family targets), this runtime |
 | mtp | sglang | post_norm | head_norm | no | SGLang's DeepSeek NextN (DeepSeek-V3-family targets), this runtime |
 | eagle | any | post_norm | output | no | vLLM and SGLang EAGLE (Llama targets), this runtime |
+| eagle3 | any | pre_norm (three layers) | output | no | vLLM and SGLang EAGLE-3 (Llama targets), this runtime |
 
 The trainer, the runtime's drafting and the eval read the choices from the head's ``config.json``, never from
 the convention's name, so a head is always run as it was trained.
@@ -46,9 +47,11 @@ _TABLE: dict[tuple[str, str], Choices] = {
     ("mtp", "vllm"): Choices("post_norm", "head_norm", True),
     ("mtp", "sglang"): Choices("post_norm", "head_norm", False),
     **{("eagle", c): Choices("post_norm", "output", False) for c in CONVENTIONS},
+    # eagle3 reads three layers' pre-norm residual states (not the last layer's hidden) and feeds back its output
+    **{("eagle3", c): Choices("pre_norm", "output", False) for c in CONVENTIONS},
 }
 
-ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
+ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "speculators": "speculators (vLLM)"}
 
 
 def choices(kind: str, convention: str) -> Choices:
@@ -60,7 +63,7 @@ def choices(kind: str, convention: str) -> Choices:
 # whose export has been served and checked in vLLM (Mistral's sliding window and Qwen's biases and norms are not what
 # vLLM's EagleLlamaForCausalLM builds); DeepSeek-V3 only for mtp: vLLM and SGLang turn only DeepSeek-V3-family
 # configs into their MTP model (EXPORT.md 1.1), which reads the DeepSeek layout.
-LOADER_FAMILIES = {"eagle": ("llama",), "mtp": ("deepseek_v3",)}
+LOADER_FAMILIES = {"eagle": ("llama",), "eagle3": ("llama",), "mtp": ("deepseek_v3",)}
 
 
 def served_by(kind: str, head: Choices, target_family: str) -> list[str]:
@@ -81,5 +84,5 @@ def validity_line(kind: str, head: Choices, target_family: str) -> str:
     if kind == "mtp":
         return (f"Valid in this runtime only: no serving engine loads an MTP layer for a {target_family} target "
                 "(vLLM and SGLang serve DeepSeek-layout MTP layers for DeepSeek-V3-family targets).")
-    return (f"Valid in this runtime only: vLLM's and SGLang's EAGLE-1 loaders build a Llama decoder layer, not a "
+    return (f"Valid in this runtime only: vLLM's and SGLang's EAGLE loaders build a Llama decoder layer, not a "
             f"{target_family} target's.")

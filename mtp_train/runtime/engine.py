@@ -211,15 +211,17 @@ class Engine:
             self.step(scheduler)
         return [GenerationResult(seq.output, seq.stats) for seq in seqs]
 
-    def step(self, scheduler: Scheduler) -> tuple[list[tuple[Sequence, list[int]]], torch.Tensor]:
+    def step(self, scheduler: Scheduler, capture: list[int] = ()
+             ) -> tuple[list[tuple[Sequence, list[int]]], torch.Tensor, list[torch.Tensor]]:
         """One continuous-batching step: schedule, forward, sample, retire finished sequences.
 
-        Returns the batch and its pre-norm hidden states ``[T, H]`` (a speculative draft catches up from them).
+        Returns the batch, its pre-norm hidden states ``[T, H]`` and the outputs of the ``capture`` layers (a
+        speculative draft catches up from them).
         """
         scheduled = scheduler.schedule()
         if not scheduled:
             raise RuntimeError("scheduler produced an empty batch with work pending")
-        meta, hidden, _ = self.forward(scheduled)
+        meta, hidden, captured = self.forward(scheduled, capture)
         logits = self.model.logits(hidden[meta.last_token_index])
         seqs = [seq for seq, _ in scheduled]
         tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
@@ -229,7 +231,7 @@ class Engine:
             seq.append(int(token), self.cfg.max_positions)
             if seq.status is Status.FINISHED:
                 scheduler.retire(seq)
-        return scheduled, hidden
+        return scheduled, hidden, captured
 
     # -- score -------------------------------------------------------------------------------------------
 

@@ -19,7 +19,8 @@ class Batch:
     """Packed documents: ``tokens [N]`` int64, ``hidden [N, H]`` float (last layer, pre-norm),
     ``loss_mask [N]`` bool, ``topk_logprobs [N, K]`` float, ``topk_ids [N, K]`` int64, ``tail_logprob [N]``
     float32 (log of the mass outside the top-K, exact) and ``cu_seqlens`` (Python list, D+1 offsets). Row t's
-    top-K is the target's distribution of token t+1.
+    top-K is the target's distribution of token t+1. ``aux [N, A*H]``: the outputs of A other stored layers,
+    concatenated in stored order, when asked for (an ``eagle3`` head's input), else None.
     """
 
     tokens: torch.Tensor
@@ -29,6 +30,7 @@ class Batch:
     topk_ids: torch.Tensor
     tail_logprob: torch.Tensor
     cu_seqlens: list[int]
+    aux: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -40,7 +42,8 @@ class Batch:
             return self
         move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
         return Batch(move(self.tokens), move(self.hidden), move(self.loss_mask), move(self.topk_logprobs),
-                     move(self.topk_ids), move(self.tail_logprob), self.cu_seqlens)
+                     move(self.topk_ids), move(self.tail_logprob), self.cu_seqlens,
+                     None if self.aux is None else move(self.aux))
 
 
 # Shards per shuffle window. Each epoch visits the shards in a seeded order, W at a time; a window's sequences are
@@ -101,8 +104,9 @@ def read_ahead(reader: FeatureReader, refs: list[SequenceRef]) -> None:
 
 
 def load_batch(reader: FeatureReader, refs: list[SequenceRef], batch_tokens: int, dtype: torch.dtype,
-               every_token: bool = False) -> Batch:
-    """Read and pack ``refs`` (each cut to ``batch_tokens``); the last stored layer is the head's input.
+               every_token: bool = False, aux: tuple[int, ...] = ()) -> Batch:
+    """Read and pack ``refs`` (each cut to ``batch_tokens``); the last stored layer is the head's input, and the
+    stored layers at indices ``aux`` (into ``manifest.layers``) fill ``Batch.aux``.
     ``every_token`` replaces the stored loss mask by all ones (``train.loss_tokens: all``).
 
     Each tensor is read for the whole batch at once (one positioned read per sequence, into a buffer this thread
@@ -124,19 +128,20 @@ def load_batch(reader: FeatureReader, refs: list[SequenceRef], batch_tokens: int
     read_ahead(reader, refs)
     reader.read_rows(refs, lengths, raw)
 
-    def convert(name: str, to: torch.dtype, last_layer: bool = False) -> torch.Tensor:
+    def convert(name: str, to: torch.dtype, layers: int | list[int] | None = None) -> torch.Tensor:
         stored, row = layout[name]
         src = raw[name].view(_NUMPY[stored]).reshape(n, *row)
-        return _convert(stored, src[:, -1] if last_layer else src, to)
+        return _convert(stored, src if layers is None else src[:, layers], to)
 
     return Batch(
         tokens=convert("input_ids", torch.long),
-        hidden=convert("hidden", dtype, last_layer=True),
+        hidden=convert("hidden", dtype, -1),
         loss_mask=torch.ones(n, dtype=torch.bool) if every_token else convert("loss_mask", torch.bool),
         topk_logprobs=convert("topk_logprobs", dtype) if k else torch.zeros(n, 0),
         topk_ids=convert("topk_ids", torch.long) if k else torch.zeros(n, 0, dtype=torch.long),
         tail_logprob=convert("tail_logprob", torch.float32) if k else torch.zeros(n),
         cu_seqlens=cu,
+        aux=convert("hidden", dtype, list(aux)).reshape(n, -1) if aux else None,
     )
 
 

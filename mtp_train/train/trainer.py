@@ -43,6 +43,8 @@ from mtp_train.train.checkpoint import (begin_checkpoint, finish_checkpoint, hea
                                         load_optimizer_shard, save_head, save_optimizer_shard)
 from mtp_train.train.data import Batch, load_batch, plan_batches
 from mtp_train.train.loss import LossWeights, head_loss, simulated_tau
+from mtp_train.train.ttt import ttt_loss
+from mtp_train.train.vocab import aux_indices, draft_vocab_size, frequent_tokens
 from precompute.manifest import text_fingerprint
 from precompute.reader import FeatureReader
 
@@ -123,11 +125,16 @@ def loss_weights(recipe: Recipe) -> LossWeights:
     return LossWeights(t.w_hidden, t.w_logits, t.unroll, t.unroll_decay, t.teacher)
 
 
-def heldout_batches(reader: FeatureReader, batch_tokens: int) -> Iterator[Batch]:
-    """The held-out sequences, 16 per batch, in stored order."""
+def heldout_batches(reader: FeatureReader, batch_tokens: int, aux: tuple[int, ...] = ()) -> Iterator[Batch]:
+    """The held-out sequences, 16 per batch, in stored order (with the stored layers ``aux`` as ``Batch.aux``)."""
     refs = reader.heldout
     for i in range(0, len(refs), 16):
-        yield load_batch(reader, refs[i : i + 16], batch_tokens, torch.float32)
+        yield load_batch(reader, refs[i : i + 16], batch_tokens, torch.float32, aux=aux)
+
+
+def objective(head, frozen, batch: Batch, weights: LossWeights, forward=None):
+    """The head's training loss and per-step metrics: training-time test for ``eagle3``, else ``head_loss``."""
+    return (ttt_loss if head.spec.kind == "eagle3" else head_loss)(head, frozen, batch, weights, forward)
 
 
 @torch.no_grad()
@@ -140,7 +147,7 @@ def validate(head, frozen, batches: Iterable[Batch], weights: LossWeights, forwa
     head.eval()
     sums = [[0.0, 0, 0] for _ in range(weights.unroll)]  # loss*count, correct, count
     for batch in batches:
-        _, metrics = head_loss(head, frozen, batch.to(frozen.embed_weight.device), weights, forward=forward)
+        _, metrics = objective(head, frozen, batch.to(frozen.embed_weight.device), weights, forward=forward)
         for s, m in zip(sums, metrics):
             s[0] += float(m.loss) * m.count
             s[1] += m.correct
@@ -181,8 +188,11 @@ def run_train(recipe: Recipe) -> Path:
     frozen = FrozenTarget.load(recipe.target.path)
     if reader.manifest.layers[-1] != frozen.cfg.num_layers - 1:
         raise UserError(f"{recipe.features_dir}: the last stored layer must be the target's last layer")
+    eagle3 = recipe.head.kind == "eagle3"
+    aux = aux_indices(reader, recipe.head.aux_layers, frozen.cfg) if eagle3 else ()
     spec = head_spec(recipe.head.kind, recipe.head.num_layers, frozen.cfg, reader.manifest.fingerprint["target"],
-                     recipe.head.convention)
+                     recipe.head.convention, tuple(reader.manifest.layers[i] + 1 for i in aux),
+                     draft_vocab_size(recipe.head.draft_vocab, frozen.cfg.vocab_size))
     train_key = text_fingerprint(json.dumps(
         {"recipe_train": recipe.train.model_dump(mode="json"), "head": recipe.head.model_dump(mode="json"),
          "seed": recipe.seed, "features": reader.manifest.fingerprint}, sort_keys=True))
@@ -192,6 +202,10 @@ def run_train(recipe: Recipe) -> Path:
 
     torch.manual_seed(recipe.seed)
     head = build_head(spec)
+    if eagle3:  # its vocabulary: the most frequent assistant tokens; its lm_head starts as their frozen rows
+        ids = frequent_tokens(reader, spec.draft_vocab, frozen.cfg.vocab_size)
+        head.draft_ids.copy_(ids)
+        head.lm_head.weight.data.copy_(frozen.lm_head_weight[ids])
     if recipe.head.init == "target_last_layer" and spec.kind == "mtp":  # not eagle: see HeadConfig.init
         state = read_layer(recipe.target.path, frozen.cfg.num_layers - 1, list(_layer_suffixes(head)), frozen.cfg)
         for layer in head.layers:
@@ -241,7 +255,7 @@ def run_train(recipe: Recipe) -> Path:
         plan = plans[epoch]  # a reshuffled epoch can cut a batch or two fewer than epoch 0: wrap around
         ids = plan[((index * t.grad_accum + micro) * world + rank) % len(plan)]
         return lambda: load_batch(reader, [reader.train[i] for i in ids], t.batch_tokens, torch.float32,
-                                  every_token=t.loss_tokens == "all")
+                                  every_token=t.loss_tokens == "all", aux=aux)
 
     def save_checkpoint(step: int, epoch: int, index: int) -> None:
         accelerator.wait_for_everyone()
@@ -271,7 +285,7 @@ def run_train(recipe: Recipe) -> Path:
             sync = micro == t.grad_accum - 1
             # DeepSpeed counts micro-batches itself (accumulate); DDP skips the all-reduce until the last one.
             with accelerator.accumulate(model) if zero else accelerator.no_sync(model) if not sync else nullcontext():
-                loss, metrics = head_loss(head, frozen, batch, weights, forward=model)
+                loss, metrics = objective(head, frozen, batch, weights, forward=model)
                 accelerator.backward(loss if zero else loss / t.grad_accum)  # DeepSpeed divides by itself
             step_loss += float(loss.detach()) / t.grad_accum
             step_tokens += batch.num_tokens
@@ -287,7 +301,8 @@ def run_train(recipe: Recipe) -> Path:
         record: dict[str, Any] = {"step": step, "loss": round(mean_loss, 6), "lr": scheduler.get_last_lr()[0],
                                   "top1": [round(c / n, 4) if n else None for c, n in step_metrics]}
         if step % t.val_every == 0 or step == total:
-            record.update(validate(accelerator.unwrap_model(model), frozen, heldout_batches(reader, t.batch_tokens), weights))
+            record.update(validate(accelerator.unwrap_model(model), frozen, heldout_batches(reader, t.batch_tokens, aux),
+                                   weights))
         if accelerator.is_main_process:
             _log(log_path, record)
             if run is not None:
@@ -318,7 +333,7 @@ def run_train(recipe: Recipe) -> Path:
     digests = accelerator.gather(torch.tensor(list(digest), dtype=torch.int64, device=device))
     rank_digests = [bytes(d.tolist()).hex() for d in digests.view(world, -1).cpu()]
     if accelerator.is_main_process:
-        final = validate(accelerator.unwrap_model(model), frozen, heldout_batches(reader, t.batch_tokens), weights)
+        final = validate(accelerator.unwrap_model(model), frozen, heldout_batches(reader, t.batch_tokens, aux), weights)
         save_head(out, accelerator.unwrap_model(model), {"training_fingerprint": train_key, "steps": step,
                                                         "validation": final, "rank_weight_sha256": rank_digests})
         print(f"train: {spec.kind} head -> {out}; held-out top-1 per step {final['val_top1']}, simulated tau "

@@ -1,0 +1,88 @@
+"""The ``eagle3`` head: EAGLE-3, over three target layers and a draft vocabulary of its own.
+
+``fc`` projects the target's residual-stream states at three layers (``aux_layers``, each the input of that decoder
+block, as vLLM and SGLang number them; concatenated in ascending order, ``[T, 3H]``) to ``g [T, H]``. One decoder
+layer attends over ``[input_layernorm(embed(t_{i+1})) | hidden_norm(g)]`` (``2H`` wide, so its q/k/v projections
+read ``2H``) with ``g`` as the residual; a final ``norm`` and the head's own ``lm_head`` over ``draft_vocab`` target
+ids (``draft_ids``, ascending) give the draft logits. A chained step feeds back the layer's output before ``norm``
+in place of ``g`` (``fc`` applies to the target's states only), as vLLM, SGLang and SpecForge do (EXPORT.md 3.3).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mtp_train.errors import UserError
+from mtp_train.heads.base import DraftHead, HeadSpec
+from mtp_train.models.config import ModelConfig
+from mtp_train.models.parts import Linear, RMSNorm
+
+
+def default_aux_layers(cfg: ModelConfig) -> list[int]:
+    """The engines' default aux layers ``[2, L//2, L-3]``, inputs of those blocks (EXPORT.md 3.4); refused, with what
+    to do, where a shallow target makes them repeat."""
+    n = cfg.num_layers
+    ids = [2, n // 2, n - 3]
+    if len(set(ids)) != 3 or ids != sorted(ids) or ids[0] < 1:
+        raise UserError(f"head.aux_layers: the engines' default {ids} for a {n}-layer target is not three distinct "
+                        f"ascending layers; set head.aux_layers to three ids in 1..{n - 1}, e.g. [1, {n // 2}, {n - 1}]")
+    return ids
+
+
+def aux_layers_for(requested: list[int] | None, cfg: ModelConfig) -> list[int]:
+    """``head.aux_layers`` checked against the target, or the engines' default when it is null."""
+    if requested is None:
+        return default_aux_layers(cfg)
+    ids = list(requested)
+    if len(ids) != 3 or ids != sorted(set(ids)) or not all(1 <= i < cfg.num_layers for i in ids):
+        raise UserError(f"head.aux_layers: {ids} must be three distinct ascending ids in 1..{cfg.num_layers - 1} "
+                        "(the input of each block: id k is the output of decoder layer k - 1)")
+    return ids
+
+
+class Eagle3Head(DraftHead):
+    kind = "eagle3"
+
+    def __init__(self, spec: HeadSpec) -> None:
+        super().__init__(spec)
+        cfg = spec.target
+        if spec.num_layers != 1 or cfg.mla is not None or spec.moe:
+            raise UserError("head: an eagle3 head has one decoder layer of a target with standard attention "
+                            f"(head.num_layers 1; the {cfg.family} target's {'latent attention' if cfg.mla else 'layers'} "
+                            "are not what EAGLE-3's layer is built from)")
+        h = cfg.hidden_size
+        self.fc = nn.Linear(len(spec.aux_layers) * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        attn = self.layers[0].attention
+        attn.wqkv = Linear(2 * h, attn.wqkv.out_features, bias=cfg.qkv_bias)  # reads [embed | hidden], 2H
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(h, spec.draft_vocab, bias=False)
+        self.register_buffer("draft_ids", torch.arange(spec.draft_vocab))  # [N] target ids, ascending
+
+    def project(self, aux: torch.Tensor) -> torch.Tensor:
+        """The target's states at the aux layers, concatenated ``[T, 3H]`` -> ``g [T, H]``."""
+        return self.fc(aux)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor | None, positions: torch.Tensor, plan,
+                aux: torch.Tensor | None = None) -> torch.Tensor:
+        """One training step over packed documents with the step's attention ``plan`` (training-time test): the
+        first reads ``fc`` of the target's states ``aux [T, 3H]``, the later ones a fed-back ``hidden [T, H]``."""
+        if aux is not None:
+            hidden = self.project(aux)
+        return self.run(embeds, hidden, positions, plan, [(None, None)])
+
+    def run(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, plan, kv: list) -> torch.Tensor:
+        """``embeds [T, H]`` and ``hidden [T, H]`` (``project``'s output, or a fed-back state) -> output ``[T, H]``."""
+        layer = self.layers[0]
+        cos_sin = self.rope.cos_sin(positions, hidden.dtype)
+        x = torch.cat([layer.attention_norm(embeds), self.hidden_norm(hidden)], dim=-1)
+        h = hidden + layer.attention(x, cos_sin, plan, kv[0])
+        return h + layer.feed_forward(layer.ffn_norm(h))
+
+    def lm_head_input(self, out: torch.Tensor) -> torch.Tensor:
+        return self.norm(out)
+
+    def draft_logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Output ``[T, H]`` -> logits over the draft vocabulary ``[T, N]`` (float32)."""
+        return self.lm_head(self.norm(out)).float()

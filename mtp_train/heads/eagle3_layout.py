@@ -1,0 +1,60 @@
+"""An ``eagle3`` head in the layouts vLLM, SGLang and speculators load (``../shared/EXPORT.md`` sections 3 and 4).
+
+Weights: the decoder layer under ``midlayer.`` (speculators: ``layers.0.``) in HF names, with ``hidden_norm`` beside
+its ``input_layernorm`` (applied to the embedding); ``fc [H, 3H]``, ``norm``, ``lm_head [N, H]``; and, when the
+draft vocabulary is smaller than the target's, ``d2t [N]`` int64 offsets (target id = draft id + d2t[draft id]) and
+``t2d [V]`` bool (the target ids it holds). No embedding: every engine shares the target's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SPECULATORS_VERSION = "0.3.0"
+
+
+def to_eagle3(tensors: dict[str, torch.Tensor], vocab_size: int, layer: str = "midlayer.") -> dict[str, torch.Tensor]:
+    """``head_to_hf`` of an eagle3 head -> the engines' names (``layer``: the decoder layer's prefix)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if name.startswith("layers.0."):
+            out[layer + name.removeprefix("layers.0.")] = tensor
+        elif name == "hidden_norm.weight":
+            out[layer + name] = tensor
+        elif name == "draft_ids":
+            if tensor.numel() < vocab_size:
+                ids = tensor.long()
+                out["d2t"] = ids - torch.arange(ids.numel())
+                out["t2d"] = torch.zeros(vocab_size, dtype=torch.bool).index_fill_(0, ids, True)
+        else:  # fc.weight, norm.weight, lm_head.weight
+            out[name] = tensor
+    return out
+
+
+def eagle3_config(target_config: dict, verifier: str, aux_layers: list[int], default_aux: list[int],
+                  draft_vocab: int, fmt: str) -> dict:
+    """``config.json`` for ``fmt`` (``vllm``, ``sglang`` or ``speculators``) from the target's (DROPPED_KEYS removed);
+    ``verifier``: the target as speculators names it (its path or hub id).
+
+    Aux ids are written only when they are not the engines' default, in the numbering each engine reads: vLLM and
+    speculators take them as given (the input of block k), SGLang's Llama adds 1 (EXPORT.md 3.4).
+    """
+    layer = {**target_config, "num_hidden_layers": 1, "tie_word_embeddings": False, "torch_dtype": "float32"}
+    layer.pop("dtype", None)
+    layer.pop("architectures", None)
+    custom = list(aux_layers) != list(default_aux)
+    if fmt == "speculators":
+        verifier_entry = {"name_or_path": verifier, "architectures": target_config.get("architectures", [])}
+        return {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
+                "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": layer,
+                "draft_vocab_size": draft_vocab, "target_hidden_size": None, "norm_before_residual": False,
+                "norm_before_fc": False, "fc_norm": False, "norm_output": False,
+                "eagle_aux_hidden_state_layer_ids": list(aux_layers),
+                "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                                       "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+                                       "verifier": verifier_entry}}
+    eagle = {"use_aux_hidden_state": True}
+    if custom:
+        eagle["eagle_aux_hidden_state_layer_ids"] = [k - 1 for k in aux_layers] if fmt == "sglang" else list(aux_layers)
+    return {**layer, "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "draft_vocab_size": draft_vocab,
+            "norm_before_residual": False, "eagle_config": eagle}

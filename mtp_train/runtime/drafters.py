@@ -1,0 +1,233 @@
+"""Drafts for speculative decoding, each on a page allocator of its own: a draft model, a trained head (MTP, EAGLE,
+EAGLE-3) over the target's states, or the bigram baseline.
+
+Between steps, for a running sequence with n tokens:
+
+- the target holds K/V for positions 0..n-2 (the last token is pending), as in plain decoding;
+- a **draft model** holds K/V for 0..n-1 and carries the logits that predict t_n;
+- a **head** holds K/V for 0..n-2 (its position i read the target's state at i and the token t_{i+1}: the token
+  buffer is shifted one step left of the hidden states), carries the logits that predict t_n, and carries its
+  state at n-2 that the chain feeds back as the next hidden input (its output, or its output after its final norm:
+  ``feedback``). An EAGLE-3 head reads ``fc`` of three layers' states (``capture``) instead of the last layer's.
+
+Under tensor parallelism only the leader rank drafts; the other ranks keep identical page bookkeeping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from mtp_train.errors import UserError
+from mtp_train.heads.base import DraftHead
+from mtp_train.models.transformer import Transformer
+from mtp_train.runtime.attention import select_backend
+from mtp_train.runtime.batch import build_batch
+from mtp_train.runtime.engine import Engine
+from mtp_train.runtime.kv_cache import KVPool, PageAllocator
+from mtp_train.runtime.sequence import Sequence
+
+
+@dataclass
+class Feed:
+    """One sequence's draft forward: ``tokens`` at positions ``start..``; ``hidden [len, H]`` for a head."""
+
+    seq: Sequence
+    start: int
+    tokens: list[int]
+    hidden: torch.Tensor | None = None
+
+
+class Drafter:
+    """A draft with its own K/V pool and page allocator (``seq.draft_pages``), as many pages as the target's.
+
+    Under tensor parallelism only the leader rank holds the draft's weights on the GPU and its K/V pool
+    (``kv`` is None elsewhere); every rank keeps the same page bookkeeping.
+    """
+
+    name = ""  # what reports call it: "draft_target", "mtp", "eagle", "eagle3" or "bigram"
+    capture: list[int] = []  # target layers whose outputs ``features`` reads (0-based), besides the last one
+
+    def __init__(self, engine: Engine, num_layers: int, dtype: torch.dtype, sliding_window: int | None) -> None:
+        self.engine = engine
+        self.allocator = PageAllocator(engine.allocator.num_pages, engine.allocator.page_size)
+        self.leader = engine.tp.rank == 0
+        cfg = dataclasses.replace(self.kv_config(), num_layers=num_layers)
+        self.kv = KVPool(cfg, self.allocator, dtype, engine.device) if self.leader else None
+        self.backend = select_backend("auto", engine.device, sliding_window, dtype, latent=cfg.mla is not None)
+        self.heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.carried: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # request id -> (logits [V], hidden [H])
+
+    def kv_config(self):
+        raise NotImplementedError
+
+    def valid(self, seq: Sequence) -> int:
+        """Positions the draft holds between steps for a sequence of n tokens (n, or n-1 for a head)."""
+        raise NotImplementedError
+
+    def features(self, hidden: torch.Tensor, captured: list[torch.Tensor]) -> torch.Tensor:
+        """What the draft reads of a target forward: its pre-norm last-layer ``hidden [T, H]`` and the outputs of
+        the ``capture`` layers -> ``[T, H]`` rows that ``feed`` hands out (the pre-norm hidden by default)."""
+        return hidden
+
+    def feed(self, seq: Sequence, draft_valid: int, target_start: int, target_hidden: torch.Tensor) -> Feed:
+        """What the draft must forward, holding ``draft_valid`` positions, once the target has processed
+        positions ``target_start..`` (their ``features``, ``target_hidden [m, H]``) and the sequence has grown."""
+        raise NotImplementedError
+
+    def chain_input(self, seq: Sequence, token: int) -> Feed:
+        """The next chain forward after drafting ``token``."""
+        raise NotImplementedError
+
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor | None, plan) -> torch.Tensor:
+        """Forward packed inputs; returns the output hidden ``[T, H]`` (its K/V written into the pages)."""
+        raise NotImplementedError
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def feedback(self, out: torch.Tensor) -> torch.Tensor:
+        """The output hidden ``[T, H]`` -> what the next chained forward reads (a head's ``feedback_state``)."""
+        return out
+
+    def forward(self, feeds: list[Feed]) -> None:
+        """Run ``feeds`` (pages already reserved) and carry each one's logits and hidden at its last position."""
+        if not feeds or not self.leader:
+            return
+        meta = build_batch([f.tokens for f in feeds], [f.start for f in feeds], [f.seq.draft_pages.pages for f in feeds],
+                           self.allocator.page_size, self.engine.device)
+        hidden = torch.cat([f.hidden for f in feeds]) if feeds[0].hidden is not None else None
+        out = self.run(meta.tokens, meta.positions, hidden, self.backend.plan(meta, *self.heads))
+        last = out[meta.last_token_index]
+        logits, fed_back = self.logits(last), self.feedback(last)
+        for i, f in enumerate(feeds):
+            self.carried[f.seq.request_id] = (logits[i], fed_back[i])
+
+
+class TokenDrafter(Drafter):
+    """A draft that reads tokens only (no target hidden states): it holds every token of the sequence and
+    catches up by feeding the ones it has not seen."""
+
+    def valid(self, seq: Sequence) -> int:
+        return len(seq.tokens)
+
+    def feed(self, seq: Sequence, draft_valid: int, target_start: int, target_hidden: torch.Tensor) -> Feed:
+        return Feed(seq, draft_valid, seq.tokens[draft_valid:])
+
+    def chain_input(self, seq: Sequence, token: int) -> Feed:
+        return Feed(seq, 0, [token])
+
+
+class DraftModelDrafter(TokenDrafter):
+    """Draft-target: a small LLM of any supported family, sharing the target's tokenizer."""
+
+    name = "draft_target"
+
+    def __init__(self, engine: Engine, model: Transformer) -> None:
+        if model.cfg.vocab_size != engine.cfg.vocab_size:
+            raise UserError(f"draft model vocab {model.cfg.vocab_size} differs from the target's "
+                            f"{engine.cfg.vocab_size}; a draft must share the target's tokenizer")
+        self.model = model
+        super().__init__(engine, model.cfg.num_layers, model.output.weight.dtype, model.cfg.sliding_window)
+
+    def kv_config(self):
+        return self.model.cfg
+
+    def run(self, tokens, positions, hidden, plan):
+        return self.model(tokens, positions, plan, self.kv.layers)[0]
+
+    def logits(self, out):
+        return self.model.logits(out)
+
+
+class HeadDrafter(Drafter):
+    """MTP, EAGLE or EAGLE-3: a trained head over the target's hidden states and embedding, drafting with the
+    frozen lm_head (MTP, EAGLE) or its own over a draft vocabulary (EAGLE-3)."""
+
+    def __init__(self, engine: Engine, head: DraftHead, name: str | None = None, vocab: torch.Tensor | None = None):
+        """``vocab [N]``: the ids an ``mtp``/``eagle`` head may draft (``eval.draft_vocab``): logits from those
+        lm_head rows, -inf elsewhere. An ``eagle3`` head drafts from its own vocabulary (``draft_ids``) instead."""
+        self.name = name or head.spec.kind  # "mtp", "eagle", "eagle3", or "target_mtp" (a checkpoint's own MTP layer)
+        self.head = (head.to(engine.device, engine.model.output.weight.dtype) if engine.tp.rank == 0 else head).eval()
+        self.target = engine.model
+        spec = head.spec
+        self.own_vocab = spec.kind == "eagle3"
+        if self.own_vocab:  # the outputs of layers k - 1 are the inputs of blocks k (its aux layers)
+            self.capture = [k - 1 for k in spec.aux_layers]
+            self.vocab = self.head.draft_ids if spec.draft_vocab < engine.cfg.vocab_size else None
+            self.vocab_rows = self.head.lm_head.weight  # [N, H], draft id order = ascending target ids
+        else:
+            self.vocab = None if vocab is None else vocab.to(engine.device)
+            self.vocab_rows = None if vocab is None else engine.model.output.weight[self.vocab].contiguous()  # [N, H]
+        super().__init__(engine, len(head.layers), engine.model.output.weight.dtype, None)
+
+    def kv_config(self):
+        return self.head.spec.target
+
+    def valid(self, seq: Sequence) -> int:
+        return len(seq.tokens) - 1
+
+    def features(self, hidden: torch.Tensor, captured: list[torch.Tensor]) -> torch.Tensor:
+        if not self.leader:  # (it drafts nothing)
+            return hidden
+        if self.head.spec.kind == "eagle3":
+            return self.head.project(torch.cat(captured, dim=-1))
+        return self.target.norm(hidden) if self.head.spec.hidden_input == "post_norm" else hidden
+
+    def feed(self, seq: Sequence, draft_valid: int, target_start: int, target_hidden: torch.Tensor) -> Feed:
+        assert draft_valid == target_start, "the head and the target hold the same positions"
+        m = target_hidden.shape[0]  # position i reads h_i and t_{i+1}
+        return Feed(seq, target_start, seq.tokens[target_start + 1 : target_start + 1 + m], target_hidden)
+
+    def chain_input(self, seq: Sequence, token: int) -> Feed:
+        return Feed(seq, 0, [token], self.carried[seq.request_id][1][None])
+
+    def run(self, tokens, positions, hidden, plan):
+        return self.head.run(self.target.tok_embeddings(tokens), hidden, positions, plan, self.kv.layers)
+
+    def logits(self, out):
+        x = self.head.lm_head_input(out)
+        if self.vocab is None:
+            return (F.linear(x, self.vocab_rows) if self.own_vocab else self.target.output(x)).float()
+        full = x.new_full((x.shape[0], self.target.cfg.vocab_size), float("-inf"), dtype=torch.float32)
+        return full.index_copy_(1, self.vocab, F.linear(x, self.vocab_rows).float())
+
+    def feedback(self, out):
+        return self.head.feedback_state(out)
+
+
+class BigramDrafter(TokenDrafter):
+    """The baseline draft: each token's most frequent successor in the training data (no K/V, no network). Its
+    distribution is one-hot, valid at any temperature (a token is accepted with the target's probability of it)."""
+
+    name = "bigram"
+
+    def __init__(self, engine: Engine, successor: torch.Tensor) -> None:
+        self.successor = successor.to(engine.device)  # [V] int64
+        super().__init__(engine, 0, engine.model.output.weight.dtype, None)
+
+    @staticmethod
+    def from_tokens(sequences: list[torch.Tensor], vocab_size: int) -> torch.Tensor:
+        """``[V]`` most frequent successor of each token over ``sequences`` (a token never seen maps to itself)."""
+        pairs = torch.cat([seq[:-1].long() * vocab_size + seq[1:].long() for seq in sequences if seq.numel() > 1])
+        ids, counts = torch.unique(pairs, return_counts=True)
+        first, second = ids // vocab_size, ids % vocab_size
+        best = torch.zeros(vocab_size, dtype=counts.dtype).scatter_reduce(0, first, counts, "amax")
+        top = counts == best[first]  # ties go to the smallest token id
+        successor = torch.arange(vocab_size).scatter_reduce(0, first[top], second[top], "amin", include_self=False)
+        return successor
+
+    def kv_config(self):
+        return self.engine.cfg
+
+    def forward(self, feeds: list[Feed]) -> None:
+        if not self.leader:
+            return
+        vocab = self.engine.cfg.vocab_size
+        for f in feeds:
+            logits = torch.full((vocab,), float("-inf"), device=self.engine.device)
+            logits[self.successor[f.tokens[-1]]] = 0.0
+            self.carried[f.seq.request_id] = (logits, logits)

@@ -1,0 +1,38 @@
+"""What an ``eagle3`` head needs from the features before training: its draft vocabulary and its input layers."""
+
+from __future__ import annotations
+
+import torch
+
+from mtp_train.errors import UserError
+from mtp_train.heads.eagle3 import aux_layers_for
+from mtp_train.models.config import ModelConfig
+from precompute.reader import FeatureReader
+
+
+def frequent_tokens(reader: FeatureReader, n: int, vocab_size: int) -> torch.Tensor:
+    """``[n]`` ascending target ids of the ``n`` most frequent assistant tokens (``loss_mask`` 1) of the training
+    features, ties to the smaller id (ids never seen fill up from 0, as SpecForge pads)."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for ref in reader.train:
+        rows = reader.load(ref)
+        counts += torch.bincount(rows["input_ids"].long()[rows["loss_mask"].bool()], minlength=vocab_size)
+    return torch.argsort(counts, descending=True, stable=True)[:n].sort().values
+
+
+def draft_vocab_size(requested: int | None, vocab_size: int) -> int:
+    """``head.draft_vocab``, capped at the target's vocabulary (null: all of it)."""
+    return vocab_size if requested is None else min(requested, vocab_size)
+
+
+def aux_indices(reader: FeatureReader, aux_layers: list[int], cfg: ModelConfig) -> tuple[int, ...]:
+    """Where the outputs of layers ``k - 1`` (aux ids ``k``) sit among the stored layers; refused, naming them,
+    when the features lack any."""
+    stored = reader.manifest.layers
+    wanted = [k - 1 for k in aux_layers_for(aux_layers, cfg)]
+    missing = [w for w in wanted if w not in stored]
+    if missing:
+        raise UserError(f"{reader.root}: the features hold the outputs of layers {stored}; the eagle3 head reads "
+                        f"those of layers {wanted} (head.aux_layers {[w + 1 for w in wanted]}) and {missing} are "
+                        "missing; run `mtp-train precompute` again with this recipe (it stores them)")
+    return tuple(stored.index(w) for w in wanted)

@@ -1,0 +1,168 @@
+"""EAGLE-3 heads: the layers precompute stores for them, training-time test against chained drafting, the draft
+vocabulary, the trainer's refusals, and the export in vLLM's, SGLang's and speculators' layouts (EXPORT.md 3-4),
+served by vLLM where its CPU build is installed (`make vllm`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from conftest import REPO, TINY_TARGET, assert_one_line_user_error, run_cli
+from mtp_train.errors import UserError
+from mtp_train.heads import build_head, head_spec
+from mtp_train.heads.attention import DocumentCausalAttention
+from mtp_train.heads.eagle3 import aux_layers_for, default_aux_layers
+from mtp_train.heads.frozen import FrozenTarget
+from mtp_train.runtime.drafters import HeadDrafter
+from mtp_train.runtime.engine import Engine
+from mtp_train.train.checkpoint import load_head
+from mtp_train.train.ttt import TTTAttention
+from mtp_train.train.vocab import frequent_tokens
+from precompute.reader import FeatureReader
+
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+
+
+def _run(recipe: Path) -> Path:
+    return recipe.parent / "run"
+
+
+def test_precompute_stores_the_layers_the_head_reads(eagle3_run):
+    reader = FeatureReader(_run(eagle3_run) / "features")
+    assert reader.manifest.layers == [0, 1, 2, 3]  # outputs of layers k - 1 for aux ids 1, 2, 3, and the last
+    config = json.loads((_run(eagle3_run) / "heads" / "eagle3" / "config.json").read_text())
+    assert (config["aux_layers"], config["draft_vocab"]) == ([1, 2, 3], 1024)
+
+
+def test_the_engines_default_aux_layers():
+    cfg = FrozenTarget.load(TINY_TARGET).cfg
+    deep = dataclasses.replace(cfg, num_layers=30)
+    assert default_aux_layers(deep) == [2, 15, 27]  # vLLM's and SGLang's (2, L//2, L-3)
+    with pytest.raises(UserError, match=r"head.aux_layers: the engines' default \[2, 2, 1\]"):
+        default_aux_layers(cfg)  # 4 layers: not three distinct layers
+    with pytest.raises(UserError, match="three distinct ascending ids in 1..3"):
+        aux_layers_for([0, 1, 2], cfg)
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_training_time_test_computes_what_chained_drafting_computes(steps):
+    """Step j at row i of TTT equals the head run causally over the sequence the runtime's draft holds when it drafts
+    there: the target-fed positions 0..i, then its own chain inputs at i+1..i+j (each fed its previous output)."""
+    frozen = FrozenTarget.load(TINY_TARGET)
+    torch.manual_seed(0)
+    head = build_head(head_spec("eagle3", 1, frozen.cfg, "x", aux_layers=(1, 2, 3), draft_vocab=512)).eval()
+    n = 24
+    tokens = torch.randint(0, frozen.cfg.vocab_size, (n,))
+    g = head.project(torch.randn(n, 3 * frozen.cfg.hidden_size))
+    rows = torch.arange(n)
+    plan, hidden, outs = TTTAttention([0, n]), g, []
+    with torch.no_grad():
+        for j in range(steps):
+            embeds = frozen.embed(tokens[(rows + 1 + j).clamp(max=n - 1)])
+            hidden = head(embeds, hidden, rows + j, plan)
+            outs.append(hidden)
+        for i in range(n - steps):
+            seq_tokens, seq_hidden = list(tokens[1 : i + 2]), list(g[: i + 1])
+            for j in range(steps):
+                length = i + 1 + j
+                out = head.run(frozen.embed(torch.stack(seq_tokens)), torch.stack(seq_hidden), torch.arange(length),
+                               DocumentCausalAttention([0, length]), [(None, None)])[-1]
+                torch.testing.assert_close(outs[j][i], out, rtol=1e-5, atol=1e-5)
+                if j + 1 < steps:
+                    seq_tokens.append(tokens[i + 2 + j])
+                    seq_hidden.append(out)
+
+
+def test_the_draft_vocabulary_is_the_most_frequent_assistant_tokens_and_drafts_stay_in_it(eagle3_run):
+    head = load_head(_run(eagle3_run) / "heads" / "eagle3")
+    reader = FeatureReader(_run(eagle3_run) / "features")
+    assert torch.equal(head.draft_ids, frequent_tokens(reader, 1024, 4096))
+    engine = Engine.from_pretrained(TINY_TARGET)
+    drafter = HeadDrafter(engine, head)
+    assert drafter.capture == [0, 1, 2]
+    logits = drafter.logits(torch.randn(5, engine.cfg.hidden_size))
+    finite = torch.isfinite(logits)
+    assert finite.sum(-1).tolist() == [1024] * 5 and finite[:, head.draft_ids].all()
+
+
+def test_the_trainer_refuses_features_without_the_heads_layers(trained_run):
+    proc = run_cli("train", trained_run, "head.kind=eagle3", "head.aux_layers=[1,2,3]", timeout=300)
+    assert_one_line_user_error(proc, "features hold the outputs of layers [3]", "[0, 1, 2] are missing",
+                               "mtp-train precompute")
+    assert not (_run(trained_run) / "heads" / "eagle3").exists()
+
+
+def _load_json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "sglang", "speculators"])
+def test_an_eagle3_head_exports_in_the_engines_layout(eagle3_run, tmp_path, fmt):
+    out = tmp_path / fmt
+    proc = run_cli("export", eagle3_run, "--format", fmt, "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    tensors = load_file(out / "model.safetensors")
+    layer = "layers.0." if fmt == "speculators" else "midlayer."
+    h, q, kv, inter = 128, 128, 64, 384
+    want = {"fc.weight": (h, 3 * h), "norm.weight": (h,), "lm_head.weight": (1024, h), "d2t": (1024,), "t2d": (4096,),
+            **{layer + k: v for k, v in {
+                "self_attn.q_proj.weight": (q, 2 * h), "self_attn.k_proj.weight": (kv, 2 * h),
+                "self_attn.v_proj.weight": (kv, 2 * h), "self_attn.o_proj.weight": (h, q),
+                "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h), "mlp.down_proj.weight": (h, inter),
+                "input_layernorm.weight": (h,), "hidden_norm.weight": (h,),
+                "post_attention_layernorm.weight": (h,)}.items()}}
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == want
+    ids = load_head(_run(eagle3_run) / "heads" / "eagle3").draft_ids
+    assert torch.equal(torch.arange(1024) + tensors["d2t"], ids)  # target id = draft id + d2t[draft id]
+    assert tensors["t2d"].dtype == torch.bool and int(tensors["t2d"].sum()) == 1024 and tensors["t2d"][ids].all()
+    config = _load_json(out / "config.json")
+    if fmt == "speculators":
+        assert config["speculators_model_type"] == "eagle3" and config["draft_vocab_size"] == 1024
+        assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+        assert config["norm_before_residual"] is False  # (vLLM's bridge defaults it to true when absent)
+        assert config["transformer_layer_config"]["num_hidden_layers"] == 1
+    else:
+        assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 1024
+        # not the default [2, 2, 1]: written, in each engine's numbering (SGLang's Llama adds 1)
+        want_ids = [1, 2, 3] if fmt == "vllm" else [0, 1, 2]
+        assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == want_ids
+    if fmt == "sglang":
+        assert "--speculative-algorithm EAGLE3" in (out / "README.md").read_text()
+
+
+def test_speculators_holds_eagle3_heads_only(trained_run, tmp_path):
+    proc = run_cli("export", trained_run, "--format", "speculators", "--out", tmp_path / "out")
+    assert_one_line_user_error(proc, "--format speculators", "head.kind=eagle3")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt, ks", [("vllm", ["1", "3"]), ("speculators", ["2"])])
+def test_vllm_serves_the_exported_eagle3_head_as_this_runtime_does(eagle3_run, tmp_path, fmt, ks):
+    """Like the eagle head's check (test_export.py), with the draft vocabulary's d2t mapping in play."""
+    if not VLLM_PYTHON.is_file():
+        pytest.skip(f"vLLM's CPU build is not installed ({VLLM_PYTHON} is absent): `make vllm` creates it")
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "vllm_check.py"), str(eagle3_run), "--format", fmt,
+                           "--k", *ks, "--work", str(tmp_path / "work")], cwd=REPO, capture_output=True, text=True,
+                          timeout=1200, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"PASS: {len(ks)}/{len(ks)} k within 3%" in proc.stdout
+
+
+def test_an_eagle3_head_needs_one_layer_of_standard_attention(eagle3_run, tmp_path):
+    recipe = yaml.safe_load(eagle3_run.read_text())
+    recipe["output_dir"] = str(tmp_path / "run")
+    recipe["precompute"]["features_dir"] = str(_run(eagle3_run) / "features")
+    recipe["head"]["num_layers"] = 2
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert_one_line_user_error(run_cli("train", path, timeout=300), "eagle3 head has one decoder layer")
