@@ -3,10 +3,11 @@
     .venv-vllm/bin/python bench/vllm_serve.py JOB.json RESULT.json
 
 JOB.json: ``{"target": DIR, "prompts": [[token ids], ...], "max_tokens": N, "max_model_len": M,
-"head": DIR or null, "k": K, "method": "eagle" or "eagle3"}``. Greedy decoding (T = 0) of the token-id prompts, stopping at the target's
-end-of-sequence ids as vLLM reads them from its generation config; with ``head``, EAGLE (or EAGLE-3) speculative decoding with
-``k`` draft tokens. RESULT.json: the generated token ids per prompt and, with a head, vLLM's speculative-decoding
-counters from ``llm.get_metrics()`` (drafts, draft tokens, accepted tokens, accepted per position).
+"head": DIR or null, "k": K, "method": "eagle" or "eagle3"}``. Greedy decoding (T = 0) of the token-id prompts,
+stopping at the target's end-of-sequence ids as vLLM reads them from its generation config; with ``head``, EAGLE
+(or EAGLE-3) speculative decoding with ``k`` draft tokens. RESULT.json: the generated token ids per prompt and,
+with a head, vLLM's speculative-decoding counters from ``llm.get_metrics()`` (drafts, draft tokens, accepted
+tokens, accepted per position).
 
 With ``"timing": {"repeats": R, "batches": [1, 8]}`` (bench/runtime_bench.py) it times plain decoding instead:
 exactly N tokens per prompt (end-of-sequence ignored), the prompts ``batch`` at a time, one untimed warm-up and

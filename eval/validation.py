@@ -30,7 +30,7 @@ def runtime_frozen(engine: Engine) -> FrozenTarget:
     return FrozenTarget(engine.cfg, m.tok_embeddings.weight, m.norm.weight, m.output.weight)
 
 
-def runtime_batches(engine: Engine, reader: FeatureReader, aux: list[int] = ()) -> Iterator[Batch]:
+def runtime_batches(engine: Engine, reader: FeatureReader, aux: tuple[int, ...] = ()) -> Iterator[Batch]:
     """The held-out sequences (16 per batch, as the trainer groups them), re-scored by the runtime's target, with
     the outputs of layers ``aux`` as ``Batch.aux``."""
     refs = reader.heldout

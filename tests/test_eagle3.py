@@ -88,7 +88,7 @@ def test_the_draft_vocabulary_is_the_most_frequent_assistant_tokens_and_drafts_s
     assert torch.equal(head.draft_ids, frequent_tokens(reader, 1024, 4096))
     engine = Engine.from_pretrained(TINY_TARGET)
     drafter = HeadDrafter(engine, head)
-    assert drafter.capture == [0, 1, 2]
+    assert drafter.capture == (0, 1, 2)
     logits = drafter.logits(torch.randn(5, engine.cfg.hidden_size))
     finite = torch.isfinite(logits)
     assert finite.sum(-1).tolist() == [1024] * 5 and finite[:, head.draft_ids].all()

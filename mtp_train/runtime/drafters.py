@@ -49,7 +49,7 @@ class Drafter:
     """
 
     name = ""  # what reports call it: "draft_target", "mtp", "eagle", "eagle3" or "bigram"
-    capture: list[int] = []  # target layers whose outputs ``features`` reads (0-based), besides the last one
+    capture: tuple[int, ...] = ()  # target layers whose outputs ``features`` reads (0-based), besides the last one
 
     def __init__(self, engine: Engine, num_layers: int, dtype: torch.dtype, sliding_window: int | None) -> None:
         self.engine = engine
@@ -156,7 +156,7 @@ class HeadDrafter(Drafter):
         spec = head.spec
         self.own_vocab = spec.kind == "eagle3"
         if self.own_vocab:  # the outputs of layers k - 1 are the inputs of blocks k (its aux layers)
-            self.capture = [k - 1 for k in spec.aux_layers]
+            self.capture = tuple(k - 1 for k in spec.aux_layers)
             self.vocab = self.head.draft_ids if spec.draft_vocab < engine.cfg.vocab_size else None
             self.vocab_rows = self.head.lm_head.weight  # [N, H], draft id order = ascending target ids
         else:
