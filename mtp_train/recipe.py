@@ -149,8 +149,8 @@ class HeadConfig(Section):
     num_layers: PositiveInt = Field(1, description="Decoder layers in the head (an `eagle3` head has 1).")
     aux_layers: list[int] | None = Field(
         None, description="`eagle3`: the three target layers it reads, as vLLM and SGLang number them (id k: the input "
-        "of decoder block k, i.e. the output of layer k - 1). Null: the engines' default `[2, L//2, L-3]`. "
-        "Precompute stores these layers.",
+        "of decoder block k, i.e. the output of layer k - 1; L: the last layer's output). Null: the engines' default "
+        "`[2, L//2, L-3]`. Precompute stores these layers.",
     )
     draft_vocab: PositiveInt | None = Field(
         32000, description="`eagle3`: rows of its own lm_head, the N most frequent assistant tokens of the training "

@@ -49,8 +49,9 @@ def test_the_engines_default_aux_layers():
     assert default_aux_layers(deep) == [2, 15, 27]  # vLLM's and SGLang's (2, L//2, L-3)
     with pytest.raises(UserError, match=r"head.aux_layers: the engines' default \[2, 2, 1\]"):
         default_aux_layers(cfg)  # 4 layers: not three distinct layers
-    with pytest.raises(UserError, match="three distinct ascending ids in 1..3"):
+    with pytest.raises(UserError, match="three distinct ascending ids in 1..4"):
         aux_layers_for([0, 1, 2], cfg)
+    assert aux_layers_for([2, 3, 4], cfg) == [2, 3, 4]  # 4: the last layer's output, as vLLM captures it
 
 
 @pytest.mark.parametrize("steps", [1, 3])
@@ -166,3 +167,27 @@ def test_an_eagle3_head_needs_one_layer_of_standard_attention(eagle3_run, tmp_pa
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     assert_one_line_user_error(run_cli("train", path, timeout=300), "eagle3 head has one decoder layer")
+
+
+@pytest.mark.slow
+def test_two_processes_train_an_eagle3_head_as_one_does(eagle3_run, tmp_path):
+    """DDP over gloo (torchrun, 2 processes) against one process with 2 micro-batches: the same losses, and the
+    two ranks' weights identical (training-time test calls the wrapped head once per unrolled step)."""
+    logs = {}
+    for name, launch, accum in (("one", [], 2), ("two", ["-m", "torch.distributed.run", "--standalone",
+                                                          "--nproc_per_node", "2"], 1)):
+        recipe = yaml.safe_load(eagle3_run.read_text())
+        recipe["output_dir"] = str(tmp_path / name)
+        recipe["precompute"]["features_dir"] = str(_run(eagle3_run) / "features")
+        recipe["train"].update(max_steps=4, grad_accum=accum, batch_tokens=1024, val_every=4, save_every=4)
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(recipe))
+        cmd = [sys.executable, *launch, "-m", "mtp_train.cli", "train", str(path)]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "ACCELERATE_USE_CPU": "1"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        logs[name] = [json.loads(line) for line in (tmp_path / name / "train_log.eagle3.jsonl").read_text().splitlines()]
+    digests = _load_json(tmp_path / "two" / "heads" / "eagle3" / "config.json")["rank_weight_sha256"]
+    assert len(digests) == 2 and digests[0] == digests[1]
+    for a, b in zip(logs["one"], logs["two"], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-3)

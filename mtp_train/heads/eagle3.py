@@ -26,7 +26,8 @@ def default_aux_layers(cfg: ModelConfig) -> list[int]:
     ids = [2, n // 2, n - 3]
     if len(set(ids)) != 3 or ids != sorted(ids) or ids[0] < 1:
         raise UserError(f"head.aux_layers: the engines' default {ids} for a {n}-layer target is not three distinct "
-                        f"ascending layers; set head.aux_layers to three ids in 1..{n - 1}, e.g. [1, {n // 2}, {n - 1}]")
+                        f"ascending layers; set head.aux_layers to three ids in 1..{n}, e.g. "
+                        f"[{max(1, n - 2)}, {max(2, n - 1)}, {max(3, n)}]")
     return ids
 
 
@@ -35,9 +36,10 @@ def aux_layers_for(requested: list[int] | None, cfg: ModelConfig) -> list[int]:
     if requested is None:
         return default_aux_layers(cfg)
     ids = list(requested)
-    if len(ids) != 3 or ids != sorted(set(ids)) or not all(1 <= i < cfg.num_layers for i in ids):
-        raise UserError(f"head.aux_layers: {ids} must be three distinct ascending ids in 1..{cfg.num_layers - 1} "
-                        "(the input of each block: id k is the output of decoder layer k - 1)")
+    if len(ids) != 3 or ids != sorted(set(ids)) or not all(1 <= i <= cfg.num_layers for i in ids):
+        raise UserError(f"head.aux_layers: {ids} must be three distinct ascending ids in 1..{cfg.num_layers} "
+                        f"(id k is the output of decoder layer k - 1, the input of block k; {cfg.num_layers}: the last "
+                        "layer's output, before the final norm)")
     return ids
 
 
