@@ -60,11 +60,11 @@ def test_a_plain_run_leaves_prefill_and_mixed_steps_out_of_the_decode_mean(promp
     clock, seen = FakeClock(), []
     step = engine.step
 
-    def costed_step(scheduler):
-        scheduled, hidden = step(scheduler)
+    def costed_step(scheduler, capture=()):
+        scheduled, hidden, captured = step(scheduler, capture)
         seen.append([len(new) for _, new in scheduled])
         clock.now += 1.0 if all(n == 1 for n in seen[-1]) else 100.0
-        return scheduled, hidden
+        return scheduled, hidden, captured
 
     engine.step = costed_step
     params = [SamplingParams(max_new_tokens=n, stop_token_ids=()) for n in (3, 9, 6)]
