@@ -79,6 +79,22 @@ def eagle3_run(tmp_path_factory) -> Path:
                      3, [1, 2, 3])
 
 
+def hf_tokenizer(root: Path):
+    """The tokenizer of the HF checkpoint at ``root``, offline."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(root, local_files_only=True)
+
+
+def hf_model(root: Path):
+    """The transformers model of the checkpoint at ``root``, offline, fp32, eval mode (seed 0 first)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_pretrained(root, local_files_only=True, dtype=torch.float32).eval()
+
+
 def sgd_chat_prompts(count: int, cycle: int) -> list[list[int]]:
     """``count`` chat prompts for the tiny target from the SGD dev split; prompt i holds 2·(i mod cycle)+1 turns."""
     from transformers import AutoTokenizer

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import REPO, TINY_TARGET, run_cli
+from conftest import REPO, TINY_TARGET, hf_model, hf_tokenizer, run_cli
 
 DEEPSEEK_TARGET = REPO / "recipes" / "tiny-deepseek" / "target"
 DEEPSEEK_RECIPE = REPO / "recipes" / "tiny-deepseek.yaml"
@@ -17,18 +17,12 @@ CONFIG = json.loads((DEEPSEEK_TARGET / "config.json").read_text())
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(DEEPSEEK_TARGET, local_files_only=True)
+    return hf_tokenizer(DEEPSEEK_TARGET)
 
 
 @pytest.fixture(scope="module")
 def model():
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_pretrained(DEEPSEEK_TARGET, local_files_only=True, dtype=torch.float32).eval()
+    return hf_model(DEEPSEEK_TARGET)
 
 
 @pytest.fixture(scope="module")

@@ -6,25 +6,19 @@ import json
 
 import pytest
 
-from conftest import TINY_TARGET
+from conftest import TINY_TARGET, hf_model, hf_tokenizer
 
 QUALITY = json.loads((TINY_TARGET / "quality.json").read_text())
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(TINY_TARGET, local_files_only=True)
+    return hf_tokenizer(TINY_TARGET)
 
 
 @pytest.fixture(scope="module")
 def model():
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_pretrained(TINY_TARGET, local_files_only=True, dtype=torch.float32).eval()
+    return hf_model(TINY_TARGET)
 
 
 def test_ships_the_hf_files_within_25_mb():

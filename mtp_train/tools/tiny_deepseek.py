@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import random
 import shutil
 import time
 from pathlib import Path
@@ -30,11 +28,13 @@ from mtp_train.tools.tiny_target import (
     END_OF_TURN,
     EOS,
     REPO,
+    add_training_args,
     encode_dialogues,
     measure_quality,
     pack,
     print_quality,
     read_sgd,
+    seed_and_threads,
     train_lm,
 )
 
@@ -96,19 +96,12 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=REPO / "recipes" / "tiny-deepseek" / "target")
     p.add_argument("--tokenizer-from", type=Path, default=LLAMA_TARGET, help="tokenizer files from here")
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--epochs", type=float, default=0.9, help="training budget in passes over the train split")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    add_training_args(p, epochs=0.9)
     args = p.parse_args(argv)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer, DeepseekV2ForCausalLM
 
-    torch.manual_seed(args.seed)
-    random.seed(args.seed)
-    torch.set_num_threads(args.threads)
+    seed_and_threads(args)
     t0 = time.time()
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_from, local_files_only=True)

@@ -273,23 +273,33 @@ def print_quality(quality: dict) -> None:
         print(f"> {item['prompt']}\n< {item['reply']}")
 
 
+def add_training_args(p: argparse.ArgumentParser, epochs: float) -> None:
+    """The training options both tiny targets' builders take (``--epochs`` defaults to ``epochs``)."""
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--epochs", type=float, default=epochs, help="training budget in passes over the train split")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+
+
+def seed_and_threads(args: argparse.Namespace) -> None:
+    """Seed torch and ``random`` with ``--seed`` and set torch's threads to ``--threads``."""
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    torch.set_num_threads(args.threads)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=REPO / "recipes" / "tiny" / "target")
     p.add_argument("--vocab-size", type=int, default=4096)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--epochs", type=float, default=1.5, help="training budget in passes over the train split")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    add_training_args(p, epochs=1.5)
     args = p.parse_args(argv)
 
     from transformers import LlamaForCausalLM
 
-    torch.manual_seed(args.seed)
-    random.seed(args.seed)
-    torch.set_num_threads(args.threads)
+    seed_and_threads(args)
     t0 = time.time()
 
     train_dialogues, dev_dialogues = read_sgd("train"), read_sgd("dev")
