@@ -29,6 +29,7 @@ from mtp_train.runtime.engine import LOGITS_CHUNK
 from mtp_train.runtime.kv_cache import KVPool
 from mtp_train.train.loss import CHUNK_BYTES
 from mtp_train.train.vocab import draft_vocab_size
+from precompute.run import stored_layers
 
 GIB = 2**30
 H100_BYTES = 80 * 10**9  # an H100 80 GB reports about 79.1 GiB
@@ -206,9 +207,7 @@ class _FlashLikeAttention:
 
 def _stored(recipe: Recipe, cfg: ModelConfig) -> int:
     """Layers precompute captures per token (``precompute.layers``, and an eagle3 head's)."""
-    extra = [k - 1 for k in aux_layers_for(recipe.head.aux_layers, cfg)] if "eagle3" in (
-        recipe.head.kind, *recipe.eval.compare) else []
-    return len({lid % cfg.num_layers for lid in recipe.precompute.layers} | {cfg.num_layers - 1} | set(extra))
+    return len(stored_layers(recipe, cfg))
 
 
 def _plan_spec(recipe: Recipe, cfg: ModelConfig):
