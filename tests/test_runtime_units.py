@@ -119,25 +119,50 @@ def test_finished_sequences_free_slots_for_waiting_ones():
     assert narrow.allocator.num_free == narrow.allocator.num_pages
 
 
-def test_the_small_batch_layout_changes_the_layout_only():
-    """On CPU the engine keeps transposed copies of the weights that read faster so at decode sizes; the products
-    are the stored layout's up to rounding, the state dict is untouched, and the option turns it off."""
+def test_the_small_row_kernel_equals_blas_at_every_row_count():
+    """The packed kernel multiplies 1..8 rows by a weight whose sizes are not multiples of its blocks (a last,
+    partial block of outputs) as F.linear does, up to rounding; it builds on this machine (g++ and ninja are
+    installed with the project), so the engine's decode steps use it."""
+    import torch.nn.functional as F
+
+    from mtp_train.runtime import small_rows
+
+    assert small_rows.kernel() is not None, "the small-row kernel did not build here"
+    weight = torch.randn(77, 45)
+    packed = small_rows.pack(weight)
+    assert packed.shape == (3, 45, 32)
+    for rows in range(1, small_rows.MAX_ROWS + 1):
+        x = torch.randn(rows, 45)
+        assert torch.allclose(small_rows.linear(x, packed, 77), F.linear(x, weight), atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="1 to 8 rows"):
+        small_rows.linear(torch.randn(9, 45), packed, 77)
+
+
+@pytest.mark.parametrize("kind", ["packed", "transposed"])
+def test_the_small_batch_layout_changes_the_layout_only(kind):
+    """On CPU the engine keeps copies of the weights that multiply faster so at decode sizes; the products are the
+    stored layout's up to rounding, rows that require grad keep F.linear, the state dict is untouched, and the
+    option turns it off."""
     import torch.nn.functional as F
 
     from mtp_train.models.parts import Linear
-    from mtp_train.runtime.small_batch import tune
+    from mtp_train.runtime import small_batch
 
-    engine = Engine.from_pretrained(TINY_TARGET)
+    engine = Engine.from_pretrained(TINY_TARGET, small_batch_layout=False)
     keys = set(engine.model.state_dict())
     linears = [m for m in engine.model.modules() if isinstance(m, Linear)]
+    make = small_batch._packed if kind == "packed" else small_batch._transposed
     for m in linears:  # force every shape's copy, whatever this machine measured, to test the path itself
-        m.weight_t, m.transposed_for = m.weight.t().contiguous(), frozenset({1, 2})
+        m.small_rows = dict.fromkeys((1, 2, 3), make(m.weight))
     for m in linears:
-        for rows in (1, 2, 3):
+        for rows in (1, 2, 3, 4):
             x = torch.randn(rows, m.weight.shape[1])
             assert torch.allclose(m(x), F.linear(x, m.weight, m.bias), atol=1e-5)
+    graded = torch.randn(2, linears[0].weight.shape[1], requires_grad=True)
+    linears[0](graded).sum().backward()
+    assert graded.grad is not None
     assert set(engine.model.state_dict()) == keys
-    chosen = tune(Engine.from_pretrained(TINY_TARGET, small_batch_layout=False).model)
-    assert all(set(rows) <= set(range(1, 6)) for rows in chosen.values())
+    chosen = small_batch.tune(Engine.from_pretrained(TINY_TARGET, small_batch_layout=False).model, kind)
+    assert all(set(rows) <= set(range(1, small_batch.MAX_ROWS + 1)) for rows in chosen.values())
     plain = Engine.from_pretrained(TINY_TARGET, small_batch_layout=False)
-    assert plain.small_batch == {} and all(m.weight_t is None for m in plain.model.modules() if isinstance(m, Linear))
+    assert plain.small_batch == {} and all(not m.small_rows for m in plain.model.modules() if isinstance(m, Linear))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -47,17 +48,16 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` that may also hold its weight transposed, ``weight_t [in, out]`` (not in the state dict), for
-    the token counts in ``transposed_for``: on CPU, BLAS reads a weight for one or two rows (a decode step) up to
-    twice as fast in that layout for some shapes (``runtime/small_batch.py`` measures which). Same product either
-    way, up to rounding."""
+    """``nn.Linear`` that may multiply a few rows another way: ``small_rows`` maps a row count to a product
+    ``x [rows, in] -> [rows, out]`` over a copy of the weight (not in the state dict) that reads faster at that
+    count on CPU; ``runtime/small_batch.py`` measures which counts and copies pay. Same product either way, up to
+    rounding. Rows that require grad always take ``F.linear``."""
 
-    weight_t: torch.Tensor | None = None
-    transposed_for: frozenset[int] = frozenset()
+    small_rows: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_t is not None and x.shape[0] in self.transposed_for and x.dim() == 2:
-            y = x @ self.weight_t
+        if self.small_rows and x.dim() == 2 and not x.requires_grad and (product := self.small_rows.get(x.shape[0])):
+            y = product(x)
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
 

@@ -106,8 +106,8 @@ class Engine:
         stop_ids: tuple[int, ...] = (),
         small_batch_layout: bool = True,
     ) -> None:
-        """``small_batch_layout``: on CPU, measure which weights read faster transposed at decode sizes and keep
-        those copies (``runtime/small_batch.py``)."""
+        """``small_batch_layout``: on CPU, measure which weights multiply faster from a packed (or transposed)
+        copy at decode sizes and keep those copies (``runtime/small_batch.py``)."""
         self.model = model
         self.cfg = model.cfg
         self.tp: TensorParallel = model.tp
