@@ -17,6 +17,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet $(TORCH_PIN)
 	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m mtp_train.runtime.small_rows  # builds the CPU small-row kernel once (cached in ~/.cache)
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -1,6 +1,6 @@
 """Where a decode step's time goes: torch's profiler over plain greedy decode steps, grouped by what the ops do.
 
-    .venv/bin/python bench/profile_decode.py [--model PATH] [--batch 1 8] [--steps 24] [--threads 2]
+    .venv/bin/python bench/profile_decode.py [--model PATH] [--batch 1 8] [--steps 24] [--threads 2] [--copy packed]
 
 For each batch size: prompts of 16–127 tokens are prefilled and decoded a few steps untimed (warm-up), then
 ``--steps`` decode steps (every sequence one token) are profiled. Each aten op's **self** CPU time is put in one
@@ -27,7 +27,8 @@ REPO = Path(__file__).resolve().parents[1]
 SMOLLM2 = REPO / ".cache" / "smollm2-135m-instruct"
 
 GROUPS: list[tuple[str, tuple[str, ...]]] = [
-    ("matmuls (linear, mm, bmm)", ("aten::addmm", "aten::mm", "aten::bmm", "aten::linear", "aten::matmul")),
+    ("matmuls (linear, mm, bmm, the small-row kernel)", ("aten::addmm", "aten::mm", "aten::bmm", "aten::linear",
+                                                        "aten::matmul", "mtp_small_rows::linear")),
     ("attention (SDPA)", ("aten::_scaled_dot_product", "aten::scaled_dot_product", "aten::_flash_attention")),
     ("KV writes (index_copy_)", ("aten::index_copy",)),
     ("KV gathers (index_select)", ("aten::index_select",)),
@@ -58,18 +59,22 @@ def group_of(name: str) -> str:
     return "other ops"
 
 
-def profile(root: Path, batch: int, steps: int) -> tuple[float, dict[str, float], list[tuple[str, float]]]:
-    """Wall seconds of ``steps`` decode steps at ``batch``, self seconds per group, and the top ops."""
+def profile(root: Path, batch: int, steps: int, copy: str) -> tuple[float, dict[str, float], list[tuple[str, float]]]:
+    """Wall seconds of ``steps`` decode steps at ``batch``, self seconds per group, and the top ops; ``copy``: the
+    small-batch layout's copies (``packed``, ``transposed``; ``none`` turns the layout off)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     from mtp_train.runtime.engine import Engine
     from mtp_train.runtime.sampling import SamplingParams
+    from mtp_train.runtime.small_batch import tune
 
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 4000, (int(n),), generator=g).tolist()
                for n in torch.randint(16, 128, (batch,), generator=g)]
-    engine = Engine.from_pretrained(root)
+    engine = Engine.from_pretrained(root, small_batch_layout=False)
+    if copy != "none":
+        tune(engine.model, copy)
     params = SamplingParams(max_new_tokens=steps + 16, stop_token_ids=())
     with torch.inference_mode():
         scheduler, _ = engine.start(prompts, params)
@@ -85,7 +90,7 @@ def profile(root: Path, batch: int, steps: int) -> tuple[float, dict[str, float]
     by_group: dict[str, float] = {}
     ops = []
     for evt in prof.key_averages():
-        if not evt.key.startswith("aten::"):
+        if not evt.key.startswith(("aten::", "mtp_small_rows::")):
             continue
         seconds = evt.self_cpu_time_total / 1e6
         by_group[group_of(evt.key)] = by_group.get(group_of(evt.key), 0.0) + seconds
@@ -127,12 +132,14 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--copy", choices=["packed", "transposed", "none"], default="packed",
+                   help="the small-batch layout's weight copies (packed: the small-row kernel, the default on CPU)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"{args.model.name}, torch {torch.__version__}, {args.threads} threads, fp32; {args.steps} decode steps "
-          "profiled after 4 warm-up steps\n")
+    print(f"{args.model.name}, torch {torch.__version__}, {args.threads} threads, fp32, weight copies: {args.copy}; "
+          f"{args.steps} decode steps profiled after 4 warm-up steps\n")
     for batch in args.batch:
-        wall, by_group, ops = profile(args.model, batch, args.steps)
+        wall, by_group, ops = profile(args.model, batch, args.steps, args.copy)
         step_ms = 1000 * wall / args.steps
         print(f"### batch {batch}: {step_ms:.1f} ms per decode step ({batch * args.steps / wall:.0f} tok/s, "
               "under the profiler)\n")

@@ -91,28 +91,3 @@ def diagnosis_blocks(d: Diagnosis) -> list[tuple]:
                            [[s.name, str(s.num_prompts), f"{s.alpha1:.3f}", f"{s.val_top1:.3f}", f"{s.gap:+.3f}"]
                             for s in rows]))
     return blocks
-
-
-def speedup_note(points: list) -> str | None:
-    """Why every measured speedup is below 1×, and what would change it; ``None`` when one is not.
-
-    ``points`` are ``SweepPoint``s. A speculative step costs one target forward over k + 1 tokens plus k draft
-    steps; the expected speedup τ / (1 + k·c) assumes the k + 1-token verify costs what a 1-token decode costs,
-    which holds for a memory-bound target (a GPU at small batch) and not for a compute-bound one (a CPU).
-    """
-    measured = [p for p in points if p.measured_speedup is not None]
-    if not measured or any(p.measured_speedup >= 1 for p in measured):
-        return None
-    best = max(measured, key=lambda p: p.measured_speedup)
-    head = (f"Every measured speedup is below 1× (best {best.measured_speedup:.2f}× at k={best.k}, "
-            f"T={best.temperature:g}: τ {best.tau:.2f}, draft cost c {best.draft_cost_ratio:.2f}, expected "
-            f"{best.expected_speedup:.2f}×). ")
-    if best.expected_speedup < 1:
-        why = (f"Speculation pays when τ exceeds 1 + k·c ({1 + best.k * best.draft_cost_ratio:.2f} here): the "
-               "head is accepted too rarely for what a draft step costs. A better head (more training data, the "
-               "target's own answers on prompts like these) raises τ; a cheaper draft lowers c.")
-    else:
-        why = ("τ beats the draft's cost, so the verify step is what costs more than assumed: the target is "
-               "compute-bound here (a CPU, or a large batch), so checking k + 1 tokens costs up to k + 1 decode "
-               "steps. On a memory-bound target (a GPU at small batch) the expected speedup is the one to read.")
-    return head + why

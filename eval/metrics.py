@@ -19,8 +19,10 @@ Conventions (the definitions of ``DESIGN.md``, "Evaluation"):
 - **Mean acceptance length, vLLM's convention** (``engine_acceptance``): 1 + accepted / drafts over the steps that
   verified a draft, accepted counted before the output was cut (:class:`EngineCounts`); comparable with what vLLM
   and SGLang print, where τ is not.
-- **Expected speedup** (``expected_speedup``): τ / (1 + k·c), c = mean wall time of one batched draft forward in
-  decode steps over that of one plain decode step (:mod:`eval.timing`).
+- **Expected speedup** (``expected_speedup``): τ / (v + k·c), c = mean wall time of one batched draft forward in
+  decode steps over that of one plain decode step, v = mean wall time of a speculative step outside its draft
+  forwards (the target's verify of k + 1 tokens) over that of one plain decode step (:mod:`eval.timing`). With
+  v = 1 this is the textbook τ / (1 + k·c), which holds where verifying k + 1 tokens costs one decode step.
 """
 
 from __future__ import annotations
@@ -182,11 +184,11 @@ def group_by(traces: Iterable[RequestTrace], key: str | Callable[[RequestTrace],
     return {k: groups[k] for k in sorted(groups, key=_order)}
 
 
-def expected_speedup(tau: float, k: int, c: float) -> float:
-    """τ / (1 + k·c): speedup over plain decoding when a draft step costs c target steps."""
-    if k < 0 or c < 0:
-        raise ValueError(f"need k >= 0 and c >= 0 (got k={k}, c={c})")
-    return tau / (1 + k * c)
+def expected_speedup(tau: float, k: int, c: float, v: float = 1.0) -> float:
+    """τ / (v + k·c): speedup over plain decoding when a draft step costs c and a verify v plain decode steps."""
+    if k < 0 or c < 0 or v <= 0:
+        raise ValueError(f"need k >= 0, c >= 0 and v > 0 (got k={k}, c={c}, v={v})")
+    return tau / (v + k * c)
 
 
 def _group(traces: list[RequestTrace], k: int) -> Group:
@@ -199,17 +201,19 @@ def _prompt_set(trace: RequestTrace) -> str:
 
 
 def sweep_point(k: int, temperature: float, traces: list[RequestTrace], c: float, measured: float,
-                lossless: bool | None, *, cost: DraftCost | None = None, greedy_violations: int | None = None,
-                divergences: int | None = None) -> SweepPoint:
+                lossless: bool | None, *, v: float | None = None, cost: DraftCost | None = None,
+                greedy_violations: int | None = None, divergences: int | None = None) -> SweepPoint:
     """The report's record of one speculative run at (k, temperature): its metrics overall and by group, the
-    terms of ``c`` (``cost``) and, at T = 0, what the lossless check found."""
+    terms of ``c`` and ``v`` (``cost``; no ``v``: the expected speedup takes 1) and, at T = 0, what the lossless
+    check found."""
     tau = pooled_tau(traces)
     cond, uncond = alpha(traces, k)
     counts = engine_counts(traces, k)
     return SweepPoint(
         k=k, temperature=temperature, tau=round(tau, 4), alpha=[round(a, 4) for a in cond],
         alpha_unconditional=[round(a, 4) for a in uncond], draft_cost_ratio=round(c, 4),
-        expected_speedup=round(expected_speedup(tau, k, c), 4), measured_speedup=round(measured, 4),
+        verify_cost_ratio=None if v is None else round(v, 4),
+        expected_speedup=round(expected_speedup(tau, k, c, v or 1.0), 4), measured_speedup=round(measured, 4),
         distinct2=round(distinct2(t.output for t in traces), 4), lossless=lossless, num_prompts=len(traces),
         num_steps=sum(len(t.accepted) for t in traces), generated_tokens=sum(len(t.output) for t in traces),
         by_category={name: _group(g, k) for name, g in group_by(traces, "category").items()},

@@ -6,7 +6,8 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict
 
 class DraftCost(BaseModel):
-    """The terms of c = ``draft_forward_ms`` / ``plain_decode_step_ms``, so that a reader can check it."""
+    """The terms of c = ``draft_forward_ms`` / ``plain_decode_step_ms`` and of v = ``verify_step_ms`` /
+    ``plain_decode_step_ms``, so that a reader can check them."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -18,6 +19,11 @@ class DraftCost(BaseModel):
     plain_decode_steps: int
     """The plain steps in which every scheduled sequence decoded exactly one token: the denominator's count."""
     plain_decode_step_ms: float
+    spec_steps: int | None = None
+    """Speculative decode steps (draft and verify), the count behind ``verify_step_ms``; ``None`` in old reports."""
+    verify_step_ms: float | None = None
+    """Mean wall time of a speculative decode step outside its draft forwards: the target's forward over k + 1
+    tokens per sequence, acceptance and bookkeeping."""
 
 
 class Divergence(BaseModel):

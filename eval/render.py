@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from eval.diagnosis import diagnosis_blocks, speedup_note
+from eval.diagnosis import diagnosis_blocks
 from eval.engine_check import engine_check_blocks, engine_mal_cell
 from eval.lossless import lossless_blocks
 from eval.plots import PLOTS, bucket_order, render_plots
@@ -32,6 +32,7 @@ from eval.report import (
     compare,
     load_report,
 )
+from eval.step_costs import cost_blocks, cost_terms, speedup_note, verify_cell
 from mtp_train.io import write_atomic, write_json_atomic
 
 __all__ = ["keep_previous", "render_html", "render_markdown", "write_report"]
@@ -87,27 +88,6 @@ def _group_table(groups: dict[str, Any], order: list[str]) -> tuple:
     return ("table", ["group", "prompts", "τ", "α_j conditional (j = 1..k)", "distinct-2", "measured speedup"], rows)
 
 
-def _cost_terms(r: Report) -> str:
-    """`` (a ms / b ms)`` for the headline point's c, empty when the report predates the record."""
-    cost = next((p.cost for p in r.sweep if (p.k, p.temperature) == (r.k, r.temperature)), None)
-    return "" if cost is None else f" ({cost.draft_forward_ms:.3f} ms / {cost.plain_decode_step_ms:.3f} ms)"
-
-
-def _cost_blocks(r: Report) -> list[tuple]:
-    rows = [[name, str(p.k), f"{p.temperature:g}", str(p.cost.draft_forwards), _num(p.cost.draft_forward_ms, 3),
-             f"{p.cost.plain_decode_steps} of {p.cost.plain_steps}", _num(p.cost.plain_decode_step_ms, 3),
-             _num(p.draft_cost_ratio, 3)]
-            for name, sweep in [(r.mode, r.sweep)] + [(c.name, c.sweep) for c in r.comparisons]
-            for p in sorted(sweep, key=lambda p: (p.temperature, p.k)) if p.cost is not None]
-    if not rows:
-        return [("p", "This report does not record the terms of c.")]
-    return [("p", "c = mean wall time of one batched draft forward in speculative decode steps / mean wall time of "
-                  "one plain decode step (a step in which every sequence decodes one token; prefill and mixed steps "
-                  "are left out). Both after a warm-up, the device synchronized around every timed region."),
-            ("table", ["draft", "k", "T", "draft forwards", "ms / draft forward", "plain decode steps",
-                       "ms / decode step", "c"], rows)]
-
-
 def _sections(report: Report) -> list[tuple[str, list[tuple]]]:
     r = report
     sections: list[tuple[str, list[tuple]]] = []
@@ -131,8 +111,9 @@ def _sections(report: Report) -> list[tuple[str, list[tuple]]]:
         ["τ (tokens per target step, bonus included)", _num(r.tau)],
         ["engine MAL: vLLM's mean acceptance length, 1 + accepted / drafts", engine_mal_cell(r)],
         ["draft cost ratio c (one draft forward / one plain decode step)",
-         _num(r.draft_cost_ratio, 3) + _cost_terms(r)],
-        ["expected speedup τ / (1 + k·c)", _num(r.expected_speedup, 2, "×")],
+         _num(r.draft_cost_ratio, 3) + cost_terms(r)],
+        ["verify cost ratio v (one verify of k + 1 tokens / one plain decode step)", verify_cell(r)],
+        ["expected speedup τ / (v + k·c)", _num(r.expected_speedup, 2, "×")],
         ["measured speedup (plain / speculative wall time)", _num(r.measured_speedup, 2, "×")],
         ["distinct-2", _num(r.distinct2, 3)],
         ["lossless (every T=0 sweep point)", _lossless_cell(r.lossless) + (" (no T=0 sweep point)"
@@ -165,7 +146,8 @@ def _sections(report: Report) -> list[tuple[str, list[tuple]]]:
     # Sweep.
     rows = [
         [str(p.k), f"{p.temperature:g}", _num(p.tau), _alphas(p.alpha), _num(p.draft_cost_ratio, 3),
-         _num(p.expected_speedup, 2, "×"), _num(p.measured_speedup, 2, "×"), _num(p.distinct2, 3),
+         _num(p.verify_cost_ratio, 3), _num(p.expected_speedup, 2, "×"), _num(p.measured_speedup, 2, "×"),
+         _num(p.distinct2, 3),
          _lossless_cell(p.lossless), str(p.num_prompts), str(p.num_steps), str(p.generated_tokens),
          "—" if p.engine_acceptance is None else _num(p.engine_acceptance.mean_acceptance_length)]
         for p in sorted(r.sweep, key=lambda p: (p.temperature, p.k))
@@ -174,13 +156,13 @@ def _sections(report: Report) -> list[tuple[str, list[tuple]]]:
         ("p", "Lossless is checked at T=0 only (n/a otherwise). Engine MAL is vLLM's mean acceptance length, "
               "1 + accepted / drafts over the steps that verified drafts, accepted counted before a stop token or "
               "the length limit cut the output: compare it, not τ, with what vLLM or SGLang print."),
-        ("table", ["k", "T", "τ", "α_j conditional", "c", "expected speedup", "measured speedup", "distinct-2",
-                   "lossless", "prompts", "steps", "tokens", "engine MAL"], rows),
+        ("table", ["k", "T", "τ", "α_j conditional", "c", "v", "expected speedup", "measured speedup",
+                   "distinct-2", "lossless", "prompts", "steps", "tokens", "engine MAL"], rows),
         ("img", "tau_by_k"),
     ]))
     if r.engine_checks:
         sections.append(("Served by an engine", engine_check_blocks(r)))
-    sections.append(("Draft cost c: what it was computed from", _cost_blocks(r)))
+    sections.append(("Draft cost c and verify cost v: what they were computed from", cost_blocks(r)))
 
     sections.append((f"τ by prompt category ({setting})", [
         _group_table(r.by_category, sorted(r.by_category)) if r.by_category else ("p", "No categories recorded."),

@@ -9,8 +9,9 @@ Conventions: tau counts the tokens emitted per target verification step, bonus t
 decoding has tau = 1); the prefill step's token is not a verification step. The draft cost ratio c is the
 mean wall time of one batched draft forward in decode steps over that of one plain decode step (a step in
 which every sequence decodes one token), both in this runtime at the same batch size, after a warm-up
-(:mod:`eval.timing`). Lossless at T = 0 is :mod:`eval.lossless`'s check. The headline is the lowest-temperature
-sweep point with the highest expected speedup tau / (1 + k c).
+(:mod:`eval.timing`); v, the verify cost ratio, is a speculative step's time outside its drafts over the same
+plain decode step. Lossless at T = 0 is :mod:`eval.lossless`'s check. The headline is the lowest-temperature
+sweep point with the highest expected speedup tau / (v + k c).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from eval.prompts import EvalPrompt, load_prompt_set, render_prompt
 from eval.render import keep_previous, write_report
 from eval.report import FILES, Comparison, SweepPoint, load_report
 from eval.samples import pick_samples
-from eval.timing import draft_cost, plain_decode, timed_generate, warm_up
+from eval.timing import plain_decode, step_costs, timed_generate, warm_up
 from mtp_train.errors import UserError
 from mtp_train.heads.conventions import validity_line
 from mtp_train.progress import Progress
@@ -337,16 +338,16 @@ def _sweep(engine: Engine, drafter: Drafter, prompts, token_ids, plain: dict, ks
                 check = check_lossless(engine, f"{drafter.name}, k={k}", [p.prompt_id for p in prompts], token_ids,
                                        reference, results, decoder.greedy_violations)
                 checks.append(check)
-            c, cost = draft_cost(decoder.timings, timing)
+            c, v, cost = step_costs(decoder.timings, timing)
             point = sweep_point(k, temperature, request_traces(prompts, token_ids, results), c, timing.wall_s / spec_s,
-                                None if check is None else check.lossless, cost=cost,
+                                None if check is None else check.lossless, v=v, cost=cost,
                                 greedy_violations=None if check is None else check.greedy_violations,
                                 divergences=None if check is None else len(check.divergences))
             points.append(point)
             if engine.tp.is_leader:
                 print(f"eval: {drafter.name} k={k} T={temperature:g}: tau {point.tau:.3f}, alpha "
                       f"{[round(a, 3) for a in point.alpha]}, c {c:.3f} ({cost.draft_forward_ms:.3f} ms / "
-                      f"{cost.plain_decode_step_ms:.3f} ms), expected x{point.expected_speedup:.2f}, "
+                      f"{cost.plain_decode_step_ms:.3f} ms), v {v or 0:.3f}, expected x{point.expected_speedup:.2f}, "
                       f"measured x{point.measured_speedup:.2f}"
                       + ("" if check is None else f", lossless {check.lossless}"), file=sys.stderr)
     return points

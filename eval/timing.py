@@ -1,9 +1,14 @@
 """Wall-clock timing of the eval: plain decoding timed step by step, speculative runs, warm-up, and c.
 
+- **v**, the verify cost ratio = (mean wall time of a speculative decode step outside its draft forwards: the
+  target's forward over k + 1 tokens per sequence, acceptance and bookkeeping) / (mean wall time of one plain
+  decode step). τ / (v + k·c) is then what the decode steps' wall time predicts; v is near 1 where verifying
+  k + 1 tokens costs what decoding one does (a memory-bound target) and grows toward k + 1 where it is
+  compute-bound.
 - **c**, the draft cost ratio = (mean wall time of one batched draft forward in speculative decode steps) /
   (mean wall time of one plain **decode** step). A plain decode step is one in which every scheduled sequence
   decodes exactly one token; prefill and mixed steps forward many tokens per sequence, and averaging them in
-  would make the denominator too large, c too small and the expected speedup τ / (1 + k·c) too high.
+  would make the denominator too large, c too small and the expected speedup τ / (v + k·c) too high.
 - The **measured speedup** is the wall time of the whole plain run over that of the whole speculative run, the
   same prompts at the same batch size.
 - Every clock reading is preceded by ``synchronize(device)`` (a no-op on CPU), so that work queued on a GPU is
@@ -61,14 +66,18 @@ class PlainTiming:
         return self.decode_s / self.decode_steps if self.decode_steps else 0.0
 
 
-def draft_cost(spec: SpecTimings, plain: PlainTiming) -> tuple[float, DraftCost]:
-    """c and the record of its terms. With no plain decode step to divide by, c is 0.0 (nothing to compare)."""
+def step_costs(spec: SpecTimings, plain: PlainTiming) -> tuple[float, float | None, DraftCost]:
+    """c, v and the record of their terms. With no plain decode step to divide by, c is 0.0 and v ``None``
+    (nothing to compare); with no speculative step, v is ``None``."""
     forward_s = spec.draft_s / spec.draft_forwards if spec.draft_forwards else 0.0
+    verify_s = spec.verify_s / spec.steps if spec.steps else 0.0
     c = forward_s / plain.decode_step_s if plain.decode_step_s > 0 else 0.0
+    v = verify_s / plain.decode_step_s if plain.decode_step_s > 0 and spec.steps else None
     record = DraftCost(draft_forwards=spec.draft_forwards, draft_forward_ms=round(forward_s * 1e3, 4),
                        plain_steps=plain.steps, plain_decode_steps=plain.decode_steps,
-                       plain_decode_step_ms=round(plain.decode_step_s * 1e3, 4))
-    return c, record
+                       plain_decode_step_ms=round(plain.decode_step_s * 1e3, 4), spec_steps=spec.steps,
+                       verify_step_ms=round(verify_s * 1e3, 4))
+    return c, v, record
 
 
 def plain_decode(engine: Engine, prompts: list[list[int]], params: list[SamplingParams],

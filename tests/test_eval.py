@@ -28,6 +28,10 @@ def test_eval_writes_a_lossless_report_whose_validation_matches_the_trainer(trai
     assert r["lossless"] is True and r["mode"] == "mtp"
     assert [p["k"] for p in r["sweep"]] == [1, 2] and all(p["lossless"] for p in r["sweep"])
     assert r["tau"] > 1.0, "a trained head gets some drafts accepted"
+    for p in r["sweep"]:  # the expected speedup composes the measured costs of a step's verify (v) and drafts (c)
+        assert p["verify_cost_ratio"] > 0 and p["cost"]["spec_steps"] > 0
+        assert p["expected_speedup"] == pytest.approx(
+            p["tau"] / (p["verify_cost_ratio"] + p["k"] * p["draft_cost_ratio"]), rel=1e-3)
     # The runtime's validation (its target and paged head) against the trainer's numbers on the same rows.
     assert not r["val_mismatch"]
     for ours, theirs in zip(r["val_loss"], r["trainer_val_loss"]):

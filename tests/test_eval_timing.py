@@ -8,7 +8,7 @@ import torch
 from conftest import TINY_TARGET, sgd_chat_prompts
 from eval.lossless import NEAR_TIE, SHOWN, STRICT, LosslessCheck, check_lossless, check_name, classify, summarize
 from eval.report import Divergence
-from eval.timing import PlainTiming, draft_cost, is_decode_step, plain_decode, warm_up
+from eval.timing import PlainTiming, is_decode_step, plain_decode, step_costs, warm_up
 from mtp_train.models.checkpoint import load_transformer
 from mtp_train.runtime.engine import Engine, GenerationResult
 from mtp_train.runtime.sampling import SamplingParams
@@ -46,11 +46,14 @@ def test_only_steps_where_every_sequence_decodes_one_token_are_decode_steps():
         timing.add_step(scheduled, seconds)
     assert (timing.steps, timing.decode_steps) == (5, 3)
     assert timing.decode_step_s == pytest.approx(1.0)  # all five steps would average 3.8 s
-    c, cost = draft_cost(SpecTimings(draft_s=0.6, draft_forwards=3), timing)
+    c, v, cost = step_costs(SpecTimings(draft_s=0.6, draft_forwards=3, step_s=3.6, steps=2), timing)
     assert c == pytest.approx(0.2)
-    assert (cost.draft_forwards, cost.plain_steps, cost.plain_decode_steps) == (3, 5, 3)
+    assert v == pytest.approx(1.5), "(3.6 s of steps - 0.6 s of drafts) / 2 steps over the 1 s decode step"
+    assert (cost.draft_forwards, cost.plain_steps, cost.plain_decode_steps, cost.spec_steps) == (3, 5, 3, 2)
     assert (cost.draft_forward_ms, cost.plain_decode_step_ms) == (pytest.approx(200.0), pytest.approx(1000.0))
-    assert draft_cost(SpecTimings(0.6, 3), PlainTiming())[0] == 0.0, "no decode step: nothing to divide by"
+    assert cost.verify_step_ms == pytest.approx(1500.0)
+    assert step_costs(SpecTimings(0.6, 3), PlainTiming())[:2] == (0.0, None), "no decode step: nothing to divide by"
+    assert step_costs(SpecTimings(), timing)[1] is None, "no speculative step: no v"
 
 
 def test_a_plain_run_leaves_prefill_and_mixed_steps_out_of_the_decode_mean(prompts):
@@ -97,6 +100,16 @@ def test_warm_up_runs_a_full_draft_chain_at_each_temperature(prompts, monkeypatc
     assert n == 4 and temperatures == [0.0, 1.0]
     assert forwards >= k, "k - 1 chain forwards and a re-sync: the draft's first forwards are paid here"
     assert all(r.stats.accepted for r in out), "every warm-up request made at least one speculative step"
+
+
+def test_the_decoder_times_its_speculative_steps_and_their_drafts(prompts):
+    """Batch 1: one speculative step per verify the request made; the steps' time holds the drafts' time."""
+    engine = Engine.from_pretrained(TINY_TARGET)
+    decoder = SpeculativeDecoder(engine, DraftModelDrafter(engine, load_transformer(TINY_TARGET)), 2)
+    (result,) = decoder.generate(prompts[:1], GREEDY)
+    t = decoder.timings
+    assert t.steps == len(result.stats.accepted) > 0
+    assert t.step_s > t.draft_s > 0 and t.verify_s == pytest.approx(t.step_s - t.draft_s)
 
 
 # -- lossless: the near-tie classifier and the check ---------------------------------------------------------

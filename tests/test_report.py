@@ -134,6 +134,15 @@ def test_baseline_equal_report_has_no_regressions(tmp_path: Path, written: dict[
     assert "No regressions" in paths["md"].read_text()
 
 
+def test_an_expected_speedup_with_a_measured_verify_cost_is_not_compared_with_one_without(tmp_path: Path,
+                                                                                            written: dict[str, Path]):
+    """A baseline from before v was measured took v = 1: its expected speedup is another quantity."""
+    new = make_report(verify_cost_ratio=1.6, expected_speedup=make_report().expected_speedup / 1.6)
+    write_report(new, tmp_path / "new", baseline=written["json"])
+    assert "expected_speedup" not in new.baseline.deltas and not new.baseline.regressions
+    assert any("expected speedup not compared" in note for note in new.baseline.notes)
+
+
 def test_compare_thresholds():
     base = make_report()
     # Within thresholds: tau -1 %, measured speedup -4 %, val loss +1 %.
@@ -221,9 +230,11 @@ def test_speedups_all_below_one_are_explained():
     slow = [p.model_copy(update={"measured_speedup": 0.6, "expected_speedup": 0.9}) for p in make_report().sweep]
     md = render_markdown(make_report(sweep=slow))
     assert "Every measured speedup is below 1× (best 0.60×" in md and "accepted too rarely" in md
-    fast_enough_draft = [p.model_copy(update={"expected_speedup": 1.4}) for p in slow]
-    md = render_markdown(make_report(sweep=fast_enough_draft))
-    assert "compute-bound" in md
+    costly_verify = [p.model_copy(update={"verify_cost_ratio": 1.7, "draft_cost_ratio": 0.05}) for p in slow]
+    md = render_markdown(make_report(sweep=costly_verify))
+    assert "verify cost v 1.70" in md and "the verify is the larger cost" in md and "compute-bound" in md
+    outside = [p.model_copy(update={"expected_speedup": 1.4, "verify_cost_ratio": 1.0}) for p in slow]
+    assert "the time goes outside them" in render_markdown(make_report(sweep=outside))
     assert "Every measured speedup is below 1×" not in render_markdown(make_report())  # one point is 1.4×
 
 
@@ -234,7 +245,8 @@ def test_lossless_check_divergences_and_the_terms_of_c_are_rendered(tmp_path: Pa
     sweep = [_point(k, t) for k in (1, 2) for t in (0.0, 0.7)]
     for p in sweep:
         p.cost = DraftCost(draft_forwards=40, draft_forward_ms=1.0, plain_steps=60, plain_decode_steps=52,
-                           plain_decode_step_ms=12.5)
+                           plain_decode_step_ms=12.5, spec_steps=30, verify_step_ms=15.0)
+        p.verify_cost_ratio = 1.2
     gaps = [0.1] * 11 + [2.0]
     divergences = [Divergence(draft="mtp, k=2", prompt_id=f"heldout/{n}", index=n, plain_token=100 + n,
                               spec_token=200 + n, gap=g, near_tie=g < 0.5) for n, g in enumerate(gaps)]
@@ -249,7 +261,8 @@ def test_lossless_check_divergences_and_the_terms_of_c_are_rendered(tmp_path: Pa
     assert "| mtp, k=2 | heldout/2 | 2 | 102 | 202 | 0.100 | yes |" in md
     assert "**NOT LOSSLESS" in md and "near-tie divergences (bf16)): mtp, k=2: heldout/11" in md
     assert "0.080 (1.000 ms / 12.500 ms)" in md  # the headline c with its terms
-    assert "| mtp | 2 | 0 | 40 | 1.000 | 52 of 60 | 12.500 | 0.080 |" in md
+    assert "| mtp | 2 | 0 | 40 | 1.000 | 52 of 60 | 12.500 | 0.080 | 30 | 15.000 | 1.200 |" in md
+    assert "1.200 (15.000 ms / 12.500 ms)" in md  # the headline v with its terms
     assert load_report(write_report(report, tmp_path, None)["json"]) == report
 
 
@@ -267,3 +280,4 @@ def test_a_report_written_before_the_lossless_check_and_c_terms_still_loads(writ
     md = render_markdown(old)
     assert "Check: token identity, at temperature 0" in md and "Lossless: yes." in md
     assert "This report does not record the terms of c." in md
+    assert "not recorded (the expected speedup takes v = 1)" in md

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from mtp_train.heads.base import DraftHead, HeadSpec
+from mtp_train.models.parts import Linear
 
 
 class EagleHead(DraftHead):
@@ -20,7 +21,7 @@ class EagleHead(DraftHead):
     def __init__(self, spec: HeadSpec) -> None:
         super().__init__(spec)
         h = spec.target.hidden_size
-        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.fc = Linear(2 * h, h, bias=False)
         self.layers[0].attention_norm = nn.Identity()
 
     def fuse(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:

@@ -54,12 +54,12 @@ class Eagle3Head(DraftHead):
                             f"(head.num_layers 1; the {cfg.family} target's {'latent attention' if cfg.mla else 'layers'} "
                             "are not what EAGLE-3's layer is built from)")
         h = cfg.hidden_size
-        self.fc = nn.Linear(len(spec.aux_layers) * h, h, bias=False)
+        self.fc = Linear(len(spec.aux_layers) * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         attn = self.layers[0].attention
         attn.wqkv = Linear(2 * h, attn.wqkv.out_features, bias=cfg.qkv_bias)  # reads [embed | hidden], 2H
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(h, spec.draft_vocab, bias=False)
+        self.lm_head = Linear(h, spec.draft_vocab, bias=False)
         self.register_buffer("draft_ids", torch.arange(spec.draft_vocab))  # [N] target ids, ascending
 
     def project(self, aux: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from mtp_train.heads.base import DraftHead, HeadSpec
-from mtp_train.models.transformer import RMSNorm
+from mtp_train.models.parts import Linear, RMSNorm
 
 
 class SharedHead(nn.Module):
@@ -33,7 +33,7 @@ class MTPHead(DraftHead):
         h, eps = spec.target.hidden_size, spec.target.rms_norm_eps
         self.enorm = RMSNorm(h, eps)
         self.hnorm = RMSNorm(h, eps)
-        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.eh_proj = Linear(2 * h, h, bias=False)
         self.shared_head = SharedHead(h, eps)
 
     def fuse(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:

@@ -19,16 +19,18 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+from torch import nn
 
 from mtp_train.errors import UserError
 from mtp_train.heads.base import DraftHead
+from mtp_train.models.parts import Linear
 from mtp_train.models.transformer import Transformer
 from mtp_train.runtime.attention import select_backend
 from mtp_train.runtime.batch import build_batch
 from mtp_train.runtime.engine import Engine
 from mtp_train.runtime.kv_cache import KVPool, PageAllocator
 from mtp_train.runtime.sequence import Sequence
+from mtp_train.runtime.small_batch import tune
 
 
 @dataclass
@@ -131,6 +133,8 @@ class DraftModelDrafter(TokenDrafter):
             raise UserError(f"draft model vocab {model.cfg.vocab_size} differs from the target's "
                             f"{engine.cfg.vocab_size}; a draft must share the target's tokenizer")
         self.model = model
+        if engine.small_batch_layout:  # the draft's weights get the target's small-batch layout too
+            tune(model)
         super().__init__(engine, model.cfg.num_layers, model.output.weight.dtype, model.cfg.sliding_window)
 
     def kv_config(self):
@@ -141,6 +145,13 @@ class DraftModelDrafter(TokenDrafter):
 
     def logits(self, out):
         return self.model.logits(out)
+
+
+def _rows_of(output: nn.Linear, ids: torch.Tensor) -> Linear:
+    """A bias-free ``Linear`` over the rows ``ids [N]`` of ``output``'s weight: ``[T, H] -> [T, N]``."""
+    rows = Linear(output.in_features, ids.numel(), bias=False, device=output.weight.device, dtype=output.weight.dtype)
+    rows.weight = nn.Parameter(output.weight.detach()[ids].contiguous(), requires_grad=False)
+    return rows
 
 
 class HeadDrafter(Drafter):
@@ -158,10 +169,12 @@ class HeadDrafter(Drafter):
         if self.own_vocab:  # the outputs of layers k - 1 are the inputs of blocks k (its aux layers)
             self.capture = tuple(k - 1 for k in spec.aux_layers)
             self.vocab = self.head.draft_ids if spec.draft_vocab < engine.cfg.vocab_size else None
-            self.vocab_rows = self.head.lm_head.weight  # [N, H], draft id order = ascending target ids
+            self.vocab_head = self.head.lm_head  # [N, H], draft id order = ascending target ids
         else:
             self.vocab = None if vocab is None else vocab.to(engine.device)
-            self.vocab_rows = None if vocab is None else engine.model.output.weight[self.vocab].contiguous()  # [N, H]
+            self.vocab_head = None if vocab is None else _rows_of(engine.model.output, self.vocab)
+        if engine.small_batch_layout:  # the head's own weights get the target's small-batch layout too
+            tune(self.head if self.vocab_head is None else nn.ModuleList([self.head, self.vocab_head]))
         super().__init__(engine, len(head.layers), engine.model.output.weight.dtype, None)
 
     def kv_config(self):
@@ -190,10 +203,13 @@ class HeadDrafter(Drafter):
 
     def logits(self, out):
         x = self.head.lm_head_input(out)
-        if self.vocab is None:
-            return (F.linear(x, self.vocab_rows) if self.own_vocab else self.target.output(x)).float()
+        if self.vocab_head is None:
+            return self.target.output(x).float()
+        rows = self.vocab_head(x).float()
+        if self.vocab is None:  # an eagle3 head over the whole vocabulary
+            return rows
         full = x.new_full((x.shape[0], self.target.cfg.vocab_size), float("-inf"), dtype=torch.float32)
-        return full.index_copy_(1, self.vocab, F.linear(x, self.vocab_rows).float())
+        return full.index_copy_(1, self.vocab, rows)
 
     def feedback(self, out):
         return self.head.feedback_state(out)

@@ -118,7 +118,8 @@ class Engine:
         self.allocator = PageAllocator(num_pages, page_size)
         self.kv = KVPool(self.cfg, self.allocator, dtype, self.device, self.tp.size)
         self.backend = select_backend(backend, self.device, self.cfg.sliding_window, dtype, latent=self.cfg.mla is not None)
-        self.small_batch = tune(model) if small_batch_layout and self.device.type == "cpu" else {}
+        self.small_batch_layout = small_batch_layout and self.device.type == "cpu"  # drafters follow it
+        self.small_batch = tune(model) if self.small_batch_layout else {}
         self.max_batch_tokens = max_batch_tokens
         self.max_seqs = max_seqs
         self.stop_ids = stop_ids

@@ -58,3 +58,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
     """``x [M, K]`` (M <= ``MAX_ROWS``) times the packed weight -> ``[M, out_features]``."""
     return kernel().linear(x.contiguous(), packed, out_features)
+
+
+if __name__ == "__main__":  # `make venv` builds it once, so that the first engine does not wait for g++
+    print(f"CPU small-row kernel: {'built' if kernel() is not None else 'not built, BLAS alone'} ({build_dir()})")

@@ -36,10 +36,17 @@ from mtp_train.runtime.sequence import Sequence, Status
 
 @dataclass
 class SpecTimings:
-    """Wall time spent drafting in decode steps (chain and re-sync forwards), and how many forwards that was."""
+    """Wall time of the speculative decode steps, and the part of it spent drafting (chain and re-sync forwards)."""
 
     draft_s: float = 0.0
     draft_forwards: int = 0  # batched draft forwards in decode steps (k - 1 chain steps and one re-sync each)
+    step_s: float = 0.0  # whole speculative decode steps: drafts, the verify forward, acceptance, bookkeeping
+    steps: int = 0
+
+    @property
+    def verify_s(self) -> float:
+        """The speculative steps' time outside the draft: the target's verify of k + 1 tokens and what surrounds it."""
+        return self.step_s - self.draft_s
 
 
 class SpeculativeDecoder:
@@ -74,7 +81,12 @@ class SpeculativeDecoder:
             if admit or any(len(s.pending) != 1 for s in scheduler.running):
                 self._plain_step(scheduler)
             else:
-                self._spec_step(scheduler)
+                synchronize(self.engine.device)
+                t0 = time.perf_counter()
+                if self._spec_step(scheduler):
+                    synchronize(self.engine.device)
+                    self.timings.step_s += time.perf_counter() - t0
+                    self.timings.steps += 1
             if on_step is not None:
                 on_step(seqs)
         return [GenerationResult(seq.output, seq.stats) for seq in seqs]
@@ -160,11 +172,12 @@ class SpeculativeDecoder:
         self.timings.draft_s += time.perf_counter() - t0
         return tokens, [torch.stack(p) if p else torch.zeros(0) for p in probs]
 
-    def _spec_step(self, scheduler: Scheduler) -> None:
+    def _spec_step(self, scheduler: Scheduler) -> bool:
+        """One draft-and-verify step over the running sequences; ``False`` when preemption left none to run."""
         engine, tp = self.engine, self.engine.tp
         batch = self._reserve(scheduler)
         if not batch:
-            return
+            return False
         drafts, qs = self._propose(batch) if self.drafter.leader else ([[] for _ in batch], [])
         if tp.size > 1:
             packed = torch.full((len(batch), self.k), -1, dtype=torch.int64)
@@ -207,3 +220,4 @@ class SpeculativeDecoder:
             start = int(meta.qo_indptr[b])
             feeds.append(self.drafter.feed(seq, self.drafter.valid(seq) - a - 1, n - 1, states[start : start + a + 1]))
         self._sync(scheduler, feeds)
+        return True

@@ -1,0 +1,78 @@
+"""The report's step costs: c and v at every sweep point with the terms they were computed from, and why every
+measured speedup fell below 1× when it did (:mod:`eval.timing` measures them)."""
+
+from __future__ import annotations
+
+from eval.report import Report
+
+
+def _ms(x: float | None) -> str:
+    return "—" if x is None else f"{x:.3f}"
+
+
+def _headline_point(r: Report):
+    return next((p for p in r.sweep if (p.k, p.temperature) == (r.k, r.temperature)), None)
+
+
+def cost_terms(r: Report) -> str:
+    """`` (a ms / b ms)`` for the headline point's c, empty when the report predates the record."""
+    cost = getattr(_headline_point(r), "cost", None)
+    return "" if cost is None else f" ({cost.draft_forward_ms:.3f} ms / {cost.plain_decode_step_ms:.3f} ms)"
+
+
+def verify_cell(r: Report) -> str:
+    """The headline point's v with its terms, or what the report lacks."""
+    point = _headline_point(r)
+    if point is None or point.verify_cost_ratio is None or point.cost is None or point.cost.verify_step_ms is None:
+        return "not recorded (the expected speedup takes v = 1)"
+    return f"{point.verify_cost_ratio:.3f} ({point.cost.verify_step_ms:.3f} ms / {point.cost.plain_decode_step_ms:.3f} ms)"
+
+
+def cost_blocks(r: Report) -> list[tuple]:
+    """The section listing c and v with their terms for every sweep point of every draft."""
+    rows = [[name, str(p.k), f"{p.temperature:g}", str(p.cost.draft_forwards), _ms(p.cost.draft_forward_ms),
+             f"{p.cost.plain_decode_steps} of {p.cost.plain_steps}", _ms(p.cost.plain_decode_step_ms),
+             _ms(p.draft_cost_ratio), "—" if p.cost.spec_steps is None else str(p.cost.spec_steps),
+             _ms(p.cost.verify_step_ms), _ms(p.verify_cost_ratio)]
+            for name, sweep in [(r.mode, r.sweep)] + [(c.name, c.sweep) for c in r.comparisons]
+            for p in sorted(sweep, key=lambda p: (p.temperature, p.k)) if p.cost is not None]
+    if not rows:
+        return [("p", "This report does not record the terms of c.")]
+    return [("p", "c = mean wall time of one batched draft forward in speculative decode steps / mean wall time of "
+                  "one plain decode step (a step in which every sequence decodes one token; prefill and mixed steps "
+                  "are left out). v = mean wall time of a speculative decode step outside its draft forwards (the "
+                  "target's verify of k + 1 tokens per sequence, acceptance, bookkeeping) / the same plain decode "
+                  "step. The expected speedup is τ / (v + k·c). All after a warm-up, the device synchronized "
+                  "around every timed region."),
+            ("table", ["draft", "k", "T", "draft forwards", "ms / draft forward", "plain decode steps",
+                       "ms / decode step", "c", "speculative steps", "ms / verify", "v"], rows)]
+
+
+def speedup_note(points: list) -> str | None:
+    """Why every measured speedup is below 1×, and what would change it; ``None`` when one is not.
+
+    ``points`` are ``SweepPoint``s. A speculative step costs one target forward over k + 1 tokens (v plain decode
+    steps, measured) plus k draft forwards (c each): speculation pays when τ exceeds v + k·c. v is near 1 on a
+    memory-bound target (a GPU at small batch) and grows toward k + 1 on a compute-bound one.
+    """
+    measured = [p for p in points if p.measured_speedup is not None]
+    if not measured or any(p.measured_speedup >= 1 for p in measured):
+        return None
+    best = max(measured, key=lambda p: p.measured_speedup)
+    v = best.verify_cost_ratio
+    drafts = best.k * best.draft_cost_ratio
+    head = (f"Every measured speedup is below 1× (best {best.measured_speedup:.2f}× at k={best.k}, "
+            f"T={best.temperature:g}: τ {best.tau:.2f}, draft cost c {best.draft_cost_ratio:.2f}, verify cost v "
+            + ("not recorded" if v is None else f"{v:.2f}") + f", expected {best.expected_speedup:.2f}×). ")
+    if best.expected_speedup >= 1:
+        why = ("τ beats the decode steps' costs, so the time goes outside them: prefill and mixed steps, which "
+               "do not speculate, or a noisy machine; rerun on a quiet one.")
+    elif v is not None and v - 1 > drafts:
+        why = (f"Speculation pays when τ exceeds v + k·c ({v + drafts:.2f} here), and the verify is the larger "
+               f"cost: checking {best.k + 1} tokens costs {v:.2f} plain decode steps, so the target is compute-"
+               "bound here (a CPU, or a large batch). On a memory-bound target (a GPU at small batch) v is near 1.")
+    else:
+        why = (f"Speculation pays when τ exceeds v + k·c ({(v or 1.0) + drafts:.2f} here), and the drafts are "
+               "the larger cost: the head is accepted too rarely for what a draft step costs. A better head (more "
+               "training data, the target's own answers on prompts like these) raises τ; a cheaper draft lowers c.")
+    return head + why
