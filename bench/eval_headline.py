@@ -4,7 +4,7 @@
 
 The rows come straight from the report that ``mtp-train recipes/tiny.yaml`` wrote: the trained head
 (the report's own sweep) and each comparison draft (other head kinds, the bigram baseline), with tau
-(bonus token included), alpha per position, the draft cost ratio c, the expected speedup tau / (1 + k c)
+(bonus token included), alpha per position, the draft cost ratio c, the verify cost ratio v, the expected speedup tau / (v + k c)
 and the measured wall-clock speedup against plain decoding in the same runtime, same prompts and batch.
 """
 
@@ -24,13 +24,14 @@ def main(path: str) -> None:
     print(f"lossless: {lossless}; validation per unrolled step (runtime / trainer): "
           f"loss {report['val_loss']} / {report['trainer_val_loss']}, top-1 {report['val_acc']} / {report['trainer_val_acc']}")
     print()
-    print("| draft | k | T | τ | α_j (conditional) | c | expected speedup | measured speedup | lossless |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| draft | k | T | τ | α_j (conditional) | c | v | expected speedup | measured speedup | lossless |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, sweep in drafts:
         for p in sorted(sweep, key=lambda p: (p["temperature"], p["k"])):
             lossless = "n/a" if p["lossless"] is None else str(p["lossless"]).lower()
+            v = "—" if p.get("verify_cost_ratio") is None else f"{p['verify_cost_ratio']:.3f}"  # (older reports)
             print(f"| {name} | {p['k']} | {p['temperature']:g} | {p['tau']:.3f} | "
-                  f"{', '.join(f'{a:.3f}' for a in p['alpha'])} | {p['draft_cost_ratio']:.3f} | "
+                  f"{', '.join(f'{a:.3f}' for a in p['alpha'])} | {p['draft_cost_ratio']:.3f} | {v} | "
                   f"{p['expected_speedup']:.2f}× | {p['measured_speedup']:.2f}× | {lossless} |")
 
 
