@@ -347,7 +347,8 @@ def _sweep(engine: Engine, drafter: Drafter, prompts, token_ids, plain: dict, ks
             if engine.tp.is_leader:
                 print(f"eval: {drafter.name} k={k} T={temperature:g}: tau {point.tau:.3f}, alpha "
                       f"{[round(a, 3) for a in point.alpha]}, c {c:.3f} ({cost.draft_forward_ms:.3f} ms / "
-                      f"{cost.plain_decode_step_ms:.3f} ms), v {v or 0:.3f}, expected x{point.expected_speedup:.2f}, "
+                      f"{cost.plain_decode_step_ms:.3f} ms), v {'n/a' if v is None else f'{v:.3f}'}, "
+                      f"expected x{point.expected_speedup:.2f}, "
                       f"measured x{point.measured_speedup:.2f}"
                       + ("" if check is None else f", lossless {check.lossless}"), file=sys.stderr)
     return points

@@ -69,9 +69,10 @@ def tune(model: nn.Module, kind: str | None = None) -> dict[tuple[int, int], lis
     chosen: dict[tuple[int, int], list[int]] = {}
     with torch.no_grad():
         for shape, modules in by_shape.items():
-            products = [make(m.weight) for m in modules]
+            products = None  # the copies, made only to be measured or kept
             key = (shape, len(modules), torch.get_num_threads(), kind)
             if key not in _MEASURED:  # once per process for a shape, count, thread count and kind
+                products = [make(m.weight) for m in modules]
                 weights, rows = [m.weight for m in modules], []
                 for n in range(1, MAX_ROWS + 1):
                     x = torch.randn(n, shape[1])
@@ -81,7 +82,7 @@ def tune(model: nn.Module, kind: str | None = None) -> dict[tuple[int, int], lis
                         rows.append(n)
                 _MEASURED[key] = rows
             if rows := _MEASURED[key]:
-                for module, product in zip(modules, products):
+                for module, product in zip(modules, products or [make(m.weight) for m in modules]):
                     module.small_rows = dict.fromkeys(rows, product)
                 chosen[shape] = rows
     return chosen
