@@ -93,15 +93,18 @@ def test_cold_page_cache_and_plain_reads_give_the_same_batches(features, monkeyp
     gc.collect()
     reader = reader_module.FeatureReader(root)
     load_batch(reader, refs, 300, torch.float32)  # opens every shard (its header read caches small files whole)
-    for shard in root.glob("*.safetensors"):
-        fd = os.open(shard, os.O_RDONLY)
-        os.fsync(fd)  # dirty pages (writeback lagging on a busy machine) are not dropped by DONTNEED
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
     blocking = []
     read_into = reader_module.ShardFile.read_into
     monkeypatch.setattr(reader_module.ShardFile, "read_into", lambda f, *a: blocking.append(a) or read_into(f, *a))
-    assert_identical(load_batch(reader, refs, 300, torch.float32), want)
+    for _ in range(5):  # DONTNEED is advice: pages the kernel still holds (e.g. in another CPU's LRU batch) stay
+        for shard in root.glob("*.safetensors"):
+            fd = os.open(shard, os.O_RDONLY)
+            os.fsync(fd)  # dirty pages (writeback lagging on a busy machine) are not dropped by DONTNEED
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        assert_identical(load_batch(reader, refs, 300, torch.float32), want)
+        if blocking:
+            break
     assert blocking  # page-cache misses went through the announce-then-read path
     monkeypatch.setattr(reader_module, "_NOWAIT", None)  # platforms without RWF_NOWAIT / posix_fadvise
     monkeypatch.setattr(reader_module, "_WILLNEED", None)
