@@ -166,3 +166,34 @@ def test_the_small_batch_layout_changes_the_layout_only(kind):
     assert all(set(rows) <= set(range(1, small_batch.MAX_ROWS + 1)) for rows in chosen.values())
     plain = Engine.from_pretrained(TINY_TARGET, small_batch_layout=False)
     assert plain.small_batch == {} and all(not m.small_rows for m in plain.model.modules() if isinstance(m, Linear))
+
+
+def test_a_killed_kernel_build_never_blocks_the_next(tmp_path):
+    """A process killed while torch's builder held its directory leaves a ``lock`` that made every later process
+    wait forever: a finished build is now loaded without consulting any lock, an unfinished directory is rebuilt
+    (a scratch directory renamed into place), and an hour-old scratch directory of a killed build is removed."""
+    import os
+    import time
+
+    from mtp_train.runtime import small_rows
+
+    built = small_rows.library(small_rows.kernel_dir())
+    done = tmp_path / "done"
+    done.mkdir()
+    (done / small_rows.LIBRARY).write_bytes(built.read_bytes())
+    (done / "lock").touch()
+    start = time.monotonic()
+    assert small_rows.library(done) == done / small_rows.LIBRARY
+    assert time.monotonic() - start < 1.0, "a finished build was compiled again"
+
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    (killed / "lock").touch()
+    (killed / "small_rows.o").write_bytes(b"half")
+    stale = tmp_path / "killed.build-old"
+    stale.mkdir()
+    os.utime(stale, (time.time() - 7200, time.time() - 7200))
+    lib = small_rows.library(killed)
+    assert lib == killed / small_rows.LIBRARY and lib.stat().st_size > 10_000
+    assert not (killed / "lock").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["done", "killed"]

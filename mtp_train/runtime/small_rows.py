@@ -5,7 +5,8 @@ The kernel multiplies 1..``MAX_ROWS`` rows by a weight packed once (``pack``), r
 ``torch.utils.cpp_extension`` (g++ and ninja, both installed with the project's environment) for this machine
 (``-march=native``) into ``$XDG_CACHE_HOME/mtp-train/`` (``~/.cache`` by default; ``MTP_TRAIN_KERNEL_DIR``
 overrides it), keyed by the source, torch's version and the CPU's instruction set, so a build is reused and never
-loaded on a machine it was not built for. Where the build fails (no compiler, say), one warning names the reason
+loaded on a machine it was not built for; a build is finished in a scratch directory and then renamed into place,
+so no process ever waits on another's lock (see ``library``). Where the build fails (no compiler, say), one warning names the reason
 and the engine runs on BLAS alone.
 """
 
@@ -15,6 +16,11 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
 from functools import cache
 from pathlib import Path
 
@@ -22,7 +28,17 @@ import torch
 
 SOURCE = Path(__file__).with_name("small_rows.cpp")
 MAX_ROWS = 8
+LIBRARY = "mtp_small_rows.so"
+BUILD_TIMEOUT_S = 600
 log = logging.getLogger(__name__)
+
+# Compiled in a child process so that the build has a time limit and this process loads the finished library once.
+_BUILD = """
+import sys
+from torch.utils.cpp_extension import load
+load(name="mtp_small_rows", sources=[sys.argv[1]], build_directory=sys.argv[2], is_python_module=False,
+     extra_cflags=["-O3", "-march=native"], verbose=False)
+"""
 
 
 def build_dir() -> Path:
@@ -31,21 +47,57 @@ def build_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mtp-train"
 
 
+def library(where: Path) -> Path:
+    """The built kernel in ``where``, compiling it first if ``where`` holds none.
+
+    A build happens in a scratch directory beside ``where`` that is renamed to ``where`` only once it is complete,
+    so ``where`` holds a finished library or nothing, and loading one takes no lock: a process killed while it built
+    or loaded (torch's own builder leaves a ``lock`` file then, which blocks every later build in that directory)
+    never holds up the next one. Scratch directories an hour old are a killed build's and are removed.
+    """
+    if (where / LIBRARY).is_file():
+        return where / LIBRARY
+    where.parent.mkdir(parents=True, exist_ok=True)
+    for stale in where.parent.glob(f"{where.name}.build-*"):
+        if time.time() - stale.stat().st_mtime > 3600:
+            shutil.rmtree(stale, ignore_errors=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f"{where.name}.build-", dir=where.parent))
+    try:
+        done = subprocess.run([sys.executable, "-c", _BUILD, str(SOURCE), str(scratch)], capture_output=True,
+                              text=True, timeout=BUILD_TIMEOUT_S)
+        if done.returncode != 0:
+            lines = (done.stderr or done.stdout).strip().splitlines()
+            raise RuntimeError(lines[-1] if lines else f"the build exited with status {done.returncode}")
+        (scratch / "lock").unlink(missing_ok=True)
+        scratch.chmod(0o755)  # mkdtemp's is 0o700
+        if where.exists() and not (where / LIBRARY).is_file():
+            shutil.rmtree(where)  # an unfinished directory an older version of this module left
+        try:
+            scratch.rename(where)
+        except OSError:  # another process finished the same build first: its library is as good
+            if not (where / LIBRARY).is_file():
+                raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return where / LIBRARY
+
+
+def kernel_dir() -> Path:
+    """Where this source, torch version and CPU's build lives (or will)."""
+    key = hashlib.sha256(SOURCE.read_bytes() + f"{torch.__version__} {platform.machine()} "
+                         f"{torch.backends.cpu.get_cpu_capability()} scratch-then-rename".encode()).hexdigest()[:12]
+    return build_dir() / f"small_rows-{key}"
+
+
 @cache
 def kernel() -> object | None:
     """The loaded ops (``kernel().pack``, ``kernel().linear``), or ``None`` where the kernel cannot be built."""
-    from torch.utils.cpp_extension import load
-
-    key = hashlib.sha256(SOURCE.read_bytes() + f"{torch.__version__} {platform.machine()} "
-                         f"{torch.backends.cpu.get_cpu_capability()}".encode()).hexdigest()[:12]
-    where = build_dir() / f"small_rows-{key}"
+    where = kernel_dir()
     try:
-        where.mkdir(parents=True, exist_ok=True)
-        load(name="mtp_small_rows", sources=[str(SOURCE)], build_directory=str(where), is_python_module=False,
-             extra_cflags=["-O3", "-march=native"], verbose=False)
-    except Exception as err:  # a missing compiler or ninja: BLAS alone still runs everything
-        log.warning("CPU small-row kernel not built in %s (%s); decode runs on BLAS alone",
-                    where, str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__)
+        torch.ops.load_library(str(library(where)))
+    except Exception as err:  # a missing compiler or ninja, or a build past its time: BLAS alone runs everything
+        message = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        log.warning("CPU small-row kernel not built in %s (%s); decode runs on BLAS alone", where, message)
         return None
     return torch.ops.mtp_small_rows
 
