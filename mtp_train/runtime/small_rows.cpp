@@ -6,7 +6,8 @@
 // BLOCK outputs, each block contiguous over K ([ceil(N / BLOCK), K, BLOCK]), and each block is read once for
 // all M rows: the weight streams from memory in one pass per thread whatever M is.
 //
-// Written with GCC's vector extensions, built with -march=native (AVX-512, AVX2 or NEON by machine); loaded by
+// Written with GCC's vector extensions, built with -march=native (AVX-512, AVX2 or NEON by machine) and -fopenmp
+// (torch's at::parallel_for is OpenMP inline in its headers: without the flag it runs on one thread); loaded by
 // mtp_train/runtime/small_rows.py. Sums run over K in order with fused multiply-adds: the products equal BLAS's
 // up to rounding.
 
@@ -24,6 +25,9 @@ constexpr int64_t BLOCK = 32;  // outputs per packed block: two 16-float vectors
 typedef float vec __attribute__((vector_size(64)));
 constexpr int LANES = 16;
 constexpr int VECS = BLOCK / LANES;
+// Rows of the packed block (BLOCK floats each) fetched ahead of the one multiplied: 8 KiB. The hardware prefetcher
+// alone left a decode step's weight read at about half the copy bandwidth (bench/small_m_matmul.py).
+constexpr int64_t AHEAD = 64;
 
 // w [N, K] (any strides) -> packed [ceil(N / BLOCK), K, BLOCK], the last block zero-padded.
 at::Tensor pack(const at::Tensor& w) {
@@ -49,6 +53,8 @@ inline void block(const float* __restrict x, const float* __restrict packed, flo
     for (int m = 0; m < M; ++m) acc[v][m] = vec{};
   const float* w = packed + b * k * BLOCK;
   for (int64_t i = 0; i < k; ++i) {
+    __builtin_prefetch(w + (i + AHEAD) * BLOCK, 0, 0);  // past the block's end it is the next block's (or a no-op)
+    __builtin_prefetch(w + (i + AHEAD) * BLOCK + LANES, 0, 0);
     vec wv[VECS];
     for (int v = 0; v < VECS; ++v) std::memcpy(&wv[v], w + i * BLOCK + v * LANES, sizeof(vec));
     for (int m = 0; m < M; ++m) {
