@@ -3,11 +3,11 @@
 The kernel multiplies 1..``MAX_ROWS`` rows by a weight packed once (``pack``), reading the weight once for all rows;
 ``runtime/small_batch.py`` measures where it beats BLAS and gives those weights a packed copy. It is compiled with
 ``torch.utils.cpp_extension`` (g++ and ninja, both installed with the project's environment) for this machine
-(``-march=native``, ``-fopenmp`` for torch's threads) into ``$XDG_CACHE_HOME/mtp-train/`` (``~/.cache`` by default; ``MTP_TRAIN_KERNEL_DIR``
-overrides it), keyed by the source, torch's version and the CPU's instruction set, so a build is reused and never
-loaded on a machine it was not built for; a build is finished in a scratch directory and then renamed into place,
-so no process ever waits on another's lock (see ``library``). Where the build fails (no compiler, say), one warning names the reason
-and the engine runs on BLAS alone.
+(``-march=native``, ``-fopenmp`` for torch's threads) into ``$XDG_CACHE_HOME/mtp-train/`` (``~/.cache`` by default;
+``MTP_TRAIN_KERNEL_DIR`` overrides it), keyed by the source, the flags, torch's version and the CPU's instruction
+set, so a build is reused and never loaded on a machine it was not built for; a build is finished in a scratch
+directory and then renamed into place, so no process ever waits on another's lock (see ``library``). Where the
+build fails (no compiler, say), one warning names the reason and the engine runs on BLAS alone.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ SOURCE = Path(__file__).with_name("small_rows.cpp")
 MAX_ROWS = 8
 LIBRARY = "mtp_small_rows.so"
 BUILD_TIMEOUT_S = 600
-# -fopenmp: torch's CPU builds run at::parallel_for on OpenMP, inline in its headers, so without the flag the kernel
-# runs on one thread; the library links libgomp.so.1, which resolves to the one torch has already loaded.
+# -fopenmp (compiling and linking): torch's CPU builds run at::parallel_for on OpenMP, inline in its headers, so
+# without it the kernel runs on one thread; the library links libgomp.so.1, which resolves to the one torch loaded.
 FLAGS = ("-O3", "-march=native", "-fopenmp")
 log = logging.getLogger(__name__)
 
@@ -39,9 +39,8 @@ log = logging.getLogger(__name__)
 _BUILD = """
 import sys
 from torch.utils.cpp_extension import load
-flags = sys.argv[3].split()
 load(name="mtp_small_rows", sources=[sys.argv[1]], build_directory=sys.argv[2], is_python_module=False,
-     extra_cflags=flags, extra_ldflags=["-fopenmp"] if "-fopenmp" in flags else [], verbose=False)
+     extra_cflags=sys.argv[3].split(), extra_ldflags=["-fopenmp"], verbose=False)
 """
 
 
@@ -88,8 +87,10 @@ def library(where: Path) -> Path:
 
 def kernel_dir() -> Path:
     """Where this source, torch version and CPU's build lives (or will)."""
+    # "scratch-then-rename" keeps apart the directories torch's builder wrote in place before ``library`` existed
     key = hashlib.sha256(SOURCE.read_bytes() + f"{torch.__version__} {platform.machine()} "
-                         f"{torch.backends.cpu.get_cpu_capability()} {' '.join(FLAGS)} scratch-then-rename".encode()).hexdigest()[:12]
+                         f"{torch.backends.cpu.get_cpu_capability()} {' '.join(FLAGS)} scratch-then-rename"
+                         .encode()).hexdigest()[:12]
     return build_dir() / f"small_rows-{key}"
 
 
