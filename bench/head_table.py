@@ -18,7 +18,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from eval.report import SweepPoint, load_report  # noqa: E402
+from mtp_train.eval.report import SweepPoint, load_report  # noqa: E402
 
 
 def row(label: str, name: str, sweep: list[SweepPoint], ks: list[int]) -> str:

@@ -38,8 +38,8 @@ def main() -> None:
 
     from mtp_train.recipe import load_recipe
     from mtp_train.runtime.engine import Engine
-    from precompute.reader import FeatureReader
-    from precompute.run import run_precompute
+    from mtp_train.features.reader import FeatureReader
+    from mtp_train.precompute.run import run_precompute
 
     with tempfile.TemporaryDirectory() as tmp:
         recipe_path = Path(tmp) / "bench.yaml"

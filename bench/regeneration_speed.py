@@ -21,7 +21,7 @@ sys.path.insert(0, str(REPO))
 
 from mtp_train.runtime.engine import Engine  # noqa: E402
 from mtp_train.runtime.sampling import SamplingParams  # noqa: E402
-from precompute.dataset import load_rows  # noqa: E402
+from mtp_train.data.dataset import load_rows  # noqa: E402
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from eval.report import Group, Report, load_report  # noqa: E402
+from mtp_train.eval.report import Group, Report, load_report  # noqa: E402
 
 POOLED = ("spec_bench", "mt_bench")
 

@@ -113,7 +113,7 @@ def mt_bench_prompts(root: Path, n: int = 12) -> list[list[int]]:
     """The first turns of ``n`` MT-bench prompts (category-stratified, as the eval takes them) through the chat template."""
     from transformers import AutoTokenizer
 
-    from eval.prompts import load_prompt_set, render_prompt
+    from mtp_train.eval.prompts import load_prompt_set, render_prompt
 
     tok = AutoTokenizer.from_pretrained(root)
     return [render_prompt(tok, p.messages) for p in load_prompt_set("mt_bench", max_prompts=n, seed=0)]

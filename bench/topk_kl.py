@@ -31,8 +31,8 @@ from mtp_train.recipe import load_recipe
 from mtp_train.train.checkpoint import load_head
 from mtp_train.train.loss import _step_index, kl_topk
 from mtp_train.train.trainer import heldout_batches
-from precompute.manifest import target_fingerprint
-from precompute.reader import FeatureReader
+from mtp_train.features.manifest import target_fingerprint
+from mtp_train.features.reader import FeatureReader
 
 KS = (8, 32, 64)
 COLUMNS = ("exact", "new", "old", "old_err", "tail", "clamped")
@@ -81,7 +81,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=4096, help="counted step-0 positions to use, at most")
     args = ap.parse_args()
     recipe = load_recipe(args.recipe)
-    root = recipe.output_dir / "heads" / (args.head or recipe.head.kind)
+    root = recipe.head_dir(args.head)
     reader = FeatureReader(recipe.features_dir, target=recipe.target.path)
     frozen = FrozenTarget.load(recipe.target.path)
     head = load_head(root, frozen.cfg)

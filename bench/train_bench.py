@@ -100,7 +100,7 @@ def main() -> None:
     from mtp_train.recipe import load_recipe
     from mtp_train.train.data import SHARD_WINDOW, load_batch, pack_per_sequence, plan_batches, plan_windows, read_ahead
     from mtp_train.train.loss import LossWeights, head_loss
-    from precompute.reader import FeatureReader
+    from mtp_train.features.reader import FeatureReader
 
     recipe = load_recipe(REPO / "recipes/tiny.yaml")
     batch_tokens = recipe.train.batch_tokens

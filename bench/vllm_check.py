@@ -35,8 +35,8 @@ sys.path.insert(0, str(REPO))
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 KV_BYTES = 2 * 2**30  # both sides: VLLM_CPU_KVCACHE_SPACE=2 for vLLM, as much for this runtime
 
-from eval.engine_check import TOLERANCE, build_check  # noqa: E402
-from eval.metrics import EngineCounts  # noqa: E402
+from mtp_train.eval.engine_check import TOLERANCE, build_check  # noqa: E402
+from mtp_train.eval.metrics import EngineCounts  # noqa: E402
 from mtp_train.errors import UserError  # noqa: E402
 
 
@@ -69,14 +69,13 @@ def runtime_runs(recipe, ks: list[int]) -> tuple[list, list[list[int]], list[lis
     speculative outputs, the vLLM-convention counts and τ."""
     import torch
 
-    from eval.metrics import engine_counts, pooled_tau
-    from eval.run import eval_prompts, request_traces
+    from mtp_train.eval.metrics import engine_counts, pooled_tau
+    from mtp_train.eval.run import eval_prompts, request_traces
     from mtp_train.runtime.engine import Engine
     from mtp_train.runtime.sampling import SamplingParams
     from mtp_train.runtime.drafters import HeadDrafter
     from mtp_train.runtime.speculative import SpeculativeDecoder
     from mtp_train.train.checkpoint import load_trained_head
-    from mtp_train.train.trainer import head_dir
 
     torch.manual_seed(recipe.seed)
     # Every prompt in one batch (up to 256), as vLLM schedules them, with vLLM's 2 GiB of KV here: admitting a
@@ -84,7 +83,7 @@ def runtime_runs(recipe, ks: list[int]) -> tuple[list, list[list[int]], list[lis
     # narrower batch would verify fewer drafts than vLLM does for the same outputs.
     engine = Engine.from_pretrained(recipe.target.path, dtype=torch.float32, device="cpu", kv_bytes=KV_BYTES)
     prompts, token_ids, _, _ = eval_prompts(recipe, engine)
-    drafter = HeadDrafter(engine, load_trained_head(head_dir(recipe), recipe.target.path, engine.cfg))
+    drafter = HeadDrafter(engine, load_trained_head(recipe.head_dir(), recipe.target.path, engine.cfg))
     params = SamplingParams(temperature=0.0, max_new_tokens=recipe.eval.max_new_tokens)
     plain = [r.tokens for r in engine.generate(token_ids, params)]
     runs = {}
@@ -114,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def check(args: argparse.Namespace) -> int:
-    from eval.render import write_report
-    from eval.report import load_report
+    from mtp_train.eval.render import write_report
+    from mtp_train.eval.report import load_report
     from mtp_train.export import export_head
     from mtp_train.recipe import load_recipe
 
@@ -173,7 +172,7 @@ def check(args: argparse.Namespace) -> int:
     print(f"\n{'PASS' if not failed else 'FAIL'}: {len(checks) - len(failed)}/{len(checks)} k within "
           f"{100 * TOLERANCE:g}% with vLLM's speculative output identical to its plain output.")
 
-    report_path = recipe.output_dir / "eval" / "report.json"
+    report_path = recipe.eval_dir / "report.json"
     if report_path.is_file():
         report = load_report(report_path)
         if report.mode == recipe.head.kind:

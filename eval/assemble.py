@@ -7,8 +7,8 @@ from datetime import datetime, timezone
 
 import torch
 
-from eval.diagnosis import diagnose
-from eval.report import Report, SweepPoint
+from mtp_train.eval.diagnosis import diagnose
+from mtp_train.eval.report import Report, SweepPoint
 from mtp_train.recipe import Recipe
 
 

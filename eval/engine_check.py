@@ -9,9 +9,9 @@ prompts, k and max tokens (:class:`eval.metrics.EngineCounts`).
 
 from __future__ import annotations
 
-from eval.metrics import EngineCounts
-from eval.records import EngineCheck
-from eval.report import Report
+from mtp_train.eval.metrics import EngineCounts
+from mtp_train.eval.records import EngineCheck
+from mtp_train.eval.report import Report
 
 TOLERANCE = 0.03
 """The largest relative difference of the two mean acceptance lengths that passes."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from eval.report import Divergence, Report
+from mtp_train.eval.report import Divergence, Report
 
 if TYPE_CHECKING:
     from mtp_train.runtime.engine import Engine, GenerationResult

@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from eval.report import DraftCost, EngineAcceptance, Group, SweepPoint
+from mtp_train.eval.report import DraftCost, EngineAcceptance, Group, SweepPoint
 
 LENGTH_BUCKETS = ((0, 127, "0-127"), (128, 511, "128-511"), (512, 2047, "512-2047"), (2048, None, "2048+"))
 

@@ -12,7 +12,7 @@ import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from eval.report import Report
+    from mtp_train.eval.report import Report
 
 # Keys of the dict render_plots returns, in the order the report shows them, with their captions.
 PLOTS: dict[str, str] = {

@@ -19,7 +19,7 @@ Not always the last user turn: in SGD the final exchange is nearly always a sign
 "Have a great day.", 4.5 words on average against 11 for all replies), which would measure the head on one
 formulaic reply; a uniform pick is distributed over reply positions as the training tokens are, and spreads
 the prompts over context lengths. ``render_prompt`` of such a prompt is token for token a prefix of the
-training encoding of the whole row (``precompute.dataset.encode``). Plain-text rows (format ``text``) have no
+training encoding of the whole row (``mtp_train.data.dataset.encode``). Plain-text rows (format ``text``) have no
 turns and are skipped, as are rows with no user turn before an assistant turn.
 
 **SGD dev** is the in-domain set for heads trained on the SGD example data: dialogues of SGD's dev split, which
@@ -88,7 +88,7 @@ def load_prompt_set(
     Args:
         name: one of ``PROMPT_SETS``.
         data_dir: folder holding the benchmark files (default: the repo's ``data/eval``).
-        heldout_rows: for ``heldout`` only: the training rows, as ``precompute.dataset.load_rows(...).rows``
+        heldout_rows: for ``heldout`` only: the training rows, as ``mtp_train.data.dataset.load_rows(...).rows``
             (``Row`` objects, whose ``row_id`` is matched against ``heldout_ids``), or raw rows (ShareGPT /
             OpenAI / prompt-completion dicts, or message lists), whose id is their index in this list.
         heldout_ids: for ``heldout``: the held-out row ids (``manifest.heldout_row_ids``); ``None`` takes every
@@ -251,7 +251,7 @@ def heldout_context(messages: list[dict[str, str]], seed: str) -> list[dict[str,
 
 def _row_messages(content: Any) -> list[dict[str, str]] | None:
     """Chat messages of a row's content, or None for plain text."""
-    from precompute.formats import BadRow, detect_format, to_messages
+    from mtp_train.data.formats import BadRow, detect_format, to_messages
 
     if isinstance(content, str):
         return None

@@ -17,11 +17,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from eval.diagnosis import diagnosis_blocks
-from eval.engine_check import engine_check_blocks, engine_mal_cell
-from eval.lossless import lossless_blocks
-from eval.plots import PLOTS, bucket_order, render_plots
-from eval.report import (
+from mtp_train.eval.diagnosis import diagnosis_blocks
+from mtp_train.eval.engine_check import engine_check_blocks, engine_mal_cell
+from mtp_train.eval.lossless import lossless_blocks
+from mtp_train.eval.plots import PLOTS, bucket_order, render_plots
+from mtp_train.eval.report import (
     FILES,
     REL_DROP,
     REL_DROP_MEASURED,
@@ -32,7 +32,7 @@ from eval.report import (
     compare,
     load_report,
 )
-from eval.step_costs import cost_blocks, cost_terms, speedup_note, verify_cell
+from mtp_train.eval.step_costs import cost_blocks, cost_terms, speedup_note, verify_cell
 from mtp_train.io import write_atomic, write_json_atomic
 
 __all__ = ["keep_previous", "render_html", "render_markdown", "write_report"]

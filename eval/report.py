@@ -34,8 +34,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from eval.diagnosis import Diagnosis
-from eval.records import DraftCost, Divergence, EngineAcceptance, EngineCheck
+from mtp_train.eval.diagnosis import Diagnosis
+from mtp_train.eval.records import DraftCost, Divergence, EngineAcceptance, EngineCheck
 from mtp_train.errors import UserError
 
 SCHEMA_VERSION = 1

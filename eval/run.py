@@ -24,14 +24,14 @@ from typing import Any
 
 import torch
 
-from eval.assemble import assemble_report
-from eval.lossless import LosslessCheck, check_lossless, check_name, summarize
-from eval.metrics import RequestTrace, sweep_point
-from eval.prompts import EvalPrompt, load_prompt_set, render_prompt
-from eval.render import keep_previous, write_report
-from eval.report import FILES, Comparison, SweepPoint, load_report
-from eval.samples import pick_samples
-from eval.timing import plain_decode, step_costs, timed_generate, warm_up
+from mtp_train.eval.assemble import assemble_report
+from mtp_train.eval.lossless import LosslessCheck, check_lossless, check_name, summarize
+from mtp_train.eval.metrics import RequestTrace, sweep_point
+from mtp_train.eval.prompts import EvalPrompt, load_prompt_set, render_prompt
+from mtp_train.eval.render import keep_previous, write_report
+from mtp_train.eval.report import FILES, Comparison, SweepPoint, load_report
+from mtp_train.eval.samples import pick_samples
+from mtp_train.eval.timing import plain_decode, step_costs, timed_generate, warm_up
 from mtp_train.errors import UserError
 from mtp_train.heads.conventions import validity_line
 from mtp_train.progress import Progress
@@ -43,11 +43,7 @@ from mtp_train.runtime.drafters import Drafter, HeadDrafter
 from mtp_train.runtime.speculative import SpeculativeDecoder
 from mtp_train.threads import set_threads, warn_if_oversubscribed
 from mtp_train.train.checkpoint import load_trained_head
-from precompute.manifest import target_fingerprint, text_fingerprint
-
-
-def eval_dir(recipe: Recipe) -> Path:
-    return recipe.output_dir / "eval"
+from mtp_train.features.manifest import target_fingerprint, text_fingerprint
 
 
 def _fingerprint(recipe: Recipe, draft_id: str) -> str:
@@ -73,7 +69,7 @@ def _compare_id(recipe: Recipe, name: str) -> str:
         return "bigram:" + (text_fingerprint(manifest.read_text()) if manifest.is_file() else "no features")
     if name == "target_mtp":  # part of the target, whose fingerprint the eval's already holds
         return "target_mtp"
-    return _head_id(recipe.output_dir / "heads" / name, "eval.compare")
+    return _head_id(recipe.head_dir(name), "eval.compare")
 
 
 def _draft_id(recipe: Recipe) -> str:
@@ -81,14 +77,12 @@ def _draft_id(recipe: Recipe) -> str:
         return "draft_model:" + target_fingerprint(recipe.eval.draft_model)
     if recipe.eval.draft == "target_mtp":
         return "target_mtp"
-    from mtp_train.train.trainer import head_dir
-
-    return _head_id(head_dir(recipe), "head")
+    return _head_id(recipe.head_dir(), "head")
 
 
 def run_eval(recipe: Recipe, baseline: Path | None = None) -> Path:
     """Evaluate, write the report, and return the report directory; skipped when it is complete and matches."""
-    out = eval_dir(recipe)
+    out = recipe.eval_dir
     baseline = _baseline(recipe, baseline)
     draft_id = _draft_id(recipe)
     key = _fingerprint(recipe, draft_id)
@@ -168,7 +162,7 @@ def run_eval(recipe: Recipe, baseline: Path | None = None) -> Path:
 
 def rerender(recipe: Recipe, baseline: Path | None = None) -> Path:
     """``mtp-train report``: write report.md/html again from report.json, with a baseline if given."""
-    path = eval_dir(recipe) / FILES["json"]
+    path = recipe.eval_dir / FILES["json"]
     if not path.is_file():
         raise UserError(f"{path} not found; run `mtp-train eval` first")
     paths = write_report(load_report(path), path.parent, _baseline(recipe, baseline))
@@ -209,17 +203,17 @@ def _load(recipe: Recipe) -> tuple[Engine, Drafter, Any]:
     if recipe.eval.draft == "target_mtp":
         return engine, HeadDrafter(engine, _target_mtp(recipe, engine), "target_mtp", vocab), None
 
-    from mtp_train.train.trainer import head_dir, loss_weights
-    from precompute.reader import FeatureReader
+    from mtp_train.train.trainer import loss_weights
+    from mtp_train.features.reader import FeatureReader
 
-    root = head_dir(recipe)
+    root = recipe.head_dir()
     head = load_trained_head(root, recipe.target.path, engine.cfg)
     drafter = HeadDrafter(engine, head, vocab=vocab)
     trainer_numbers = json.loads((root / "config.json").read_text()).get("validation", {})
     reader = FeatureReader(recipe.features_dir, target=recipe.target.path)  # its shards checked now, read at the end
 
     def head_validation() -> dict[str, Any]:
-        from eval.validation import runtime_validation
+        from mtp_train.eval.validation import runtime_validation
 
         ours = runtime_validation(engine, drafter, reader, loss_weights(recipe))
         return {"runtime": ours, "trainer": trainer_numbers}
@@ -229,7 +223,7 @@ def _load(recipe: Recipe) -> tuple[Engine, Drafter, Any]:
 
 def eval_prompts(recipe: Recipe, engine: Engine) -> tuple[list[EvalPrompt], list[list[int]], int, Any]:
     """The prompts that fit the target's positions, their token ids, how many did not fit, the tokenizer."""
-    from precompute.tokenizer import load_tokenizer
+    from mtp_train.data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(recipe)
     e = recipe.eval
@@ -256,8 +250,8 @@ def eval_prompts(recipe: Recipe, engine: Engine) -> tuple[list[EvalPrompt], list
 
 def _heldout(recipe: Recipe) -> dict[str, Any]:
     """The rows training never saw: the manifest's held-out ids, read from the recipe's data."""
-    from precompute.dataset import load_rows
-    from precompute.manifest import load_manifest
+    from mtp_train.data.dataset import load_rows
+    from mtp_train.features.manifest import load_manifest
 
     manifest_file = recipe.features_dir / "manifest.json"
     if not manifest_file.is_file():
@@ -275,7 +269,7 @@ def _load_other(recipe: Recipe, engine: Engine, name: str):
     """What a comparison draft needs: another trained head kind, or for the bigram baseline its successor table
     from the training features."""
     from mtp_train.runtime.drafters import BigramDrafter
-    from precompute.reader import FeatureReader
+    from mtp_train.features.reader import FeatureReader
 
     if name == "bigram":
         reader = FeatureReader(recipe.features_dir, target=recipe.target.path)
@@ -283,7 +277,7 @@ def _load_other(recipe: Recipe, engine: Engine, name: str):
         return BigramDrafter.from_tokens(tokens, engine.cfg.vocab_size)
     if name == "target_mtp":
         return _target_mtp(recipe, engine)
-    root = recipe.output_dir / "heads" / name
+    root = recipe.head_dir(name)
     if not (root / "model.safetensors").is_file():
         raise UserError(f"eval.compare: no trained {name!r} head in {root}; run `mtp-train train` with it first")
     return load_trained_head(root, recipe.target.path, engine.cfg)
@@ -300,7 +294,7 @@ def draft_vocab(recipe: Recipe, vocab_size: int) -> torch.Tensor | None:
     """``[N]`` ascending target ids of the ``eval.draft_vocab`` most frequent assistant tokens (``loss_mask`` 1) of
     the training features, ties to the smaller id; None for the full vocabulary."""
     from mtp_train.train.vocab import frequent_tokens
-    from precompute.reader import FeatureReader
+    from mtp_train.features.reader import FeatureReader
 
     n = recipe.eval.draft_vocab
     if n is None or n >= vocab_size:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from eval.prompts import EvalPrompt
-from eval.report import Sample
+from mtp_train.eval.prompts import EvalPrompt
+from mtp_train.eval.report import Sample
 
 PER_SET = 2
 """Prompts shown per prompt set."""

@@ -3,7 +3,7 @@ measured speedup fell below 1× when it did (:mod:`eval.timing` measures them)."
 
 from __future__ import annotations
 
-from eval.report import Report
+from mtp_train.eval.report import Report
 
 
 def _ms(x: float | None) -> str:

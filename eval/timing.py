@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eval.report import DraftCost
+from mtp_train.eval.report import DraftCost
 from mtp_train.runtime.device import synchronize
 from mtp_train.runtime.engine import Engine, GenerationResult
 from mtp_train.runtime.sampling import SamplingParams

@@ -21,7 +21,7 @@ from mtp_train.runtime.drafters import HeadDrafter
 from mtp_train.train.data import Batch
 from mtp_train.train.loss import LossWeights
 from mtp_train.train.trainer import validate
-from precompute.reader import FeatureReader
+from mtp_train.features.reader import FeatureReader
 
 
 def runtime_frozen(engine: Engine) -> FrozenTarget:

@@ -166,7 +166,7 @@ def _slurm(args: argparse.Namespace, recipe) -> int:
 
 
 def _verify(root: Path) -> int:
-    from precompute.verify import verify
+    from mtp_train.features.verify import verify
 
     problems, manifest = verify(root)
     for problem in problems:

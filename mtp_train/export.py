@@ -30,7 +30,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from eval.report import FILES, load_report
+from mtp_train.eval.report import FILES, load_report
 from mtp_train.errors import UserError
 from mtp_train.heads.conventions import ENGINE_NAMES, LOADER_FAMILIES, choices, served_by
 from mtp_train.heads.deepseek_layout import SHARED_COPIES, to_deepseek
@@ -41,16 +41,11 @@ from mtp_train.io import fresh_dir, replace_dir, write_atomic, write_json_atomic
 from mtp_train.models.config import ModelConfig
 from mtp_train.recipe import Recipe
 from mtp_train.train.checkpoint import head_to_hf, load_trained_head
-from mtp_train.train.trainer import head_dir
 
 FORMATS = ("vllm", "sglang", "speculators")
 ARCHITECTURES = {"vllm": "EagleLlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"}
 # Keys of the target's config that describe its checkpoint, not the head's.
 DROPPED_KEYS = ("quantization_config", "auto_map", "_name_or_path", "transformers_version")
-
-
-def default_out(recipe: Recipe, fmt: str) -> Path:
-    return recipe.output_dir / "export" / f"{recipe.head.kind}-{fmt}"
 
 
 def export_head(recipe: Recipe, fmt: str, out: Path | None = None) -> Path:
@@ -59,7 +54,7 @@ def export_head(recipe: Recipe, fmt: str, out: Path | None = None) -> Path:
         raise UserError(f"--format {fmt!r}: choose one of {', '.join(FORMATS)}")
     target_config = json.loads((recipe.target.path / "config.json").read_text(encoding="utf-8"))
     target = ModelConfig.from_hf(target_config, str(recipe.target.path / "config.json"))
-    root = head_dir(recipe)
+    root = recipe.head_dir()
     if not (root / "config.json").is_file():
         raise UserError(f"{root}: no trained {recipe.head.kind} head; run `mtp-train train` first")
     head = load_trained_head(root, recipe.target.path, target)  # another target, hidden size or vocabulary: refused
@@ -69,7 +64,7 @@ def export_head(recipe: Recipe, fmt: str, out: Path | None = None) -> Path:
                         "heads here (train head.kind=eagle3), or export this one with --format vllm or sglang")
     _check_servable(spec.kind, spec.choices, target.family, "vllm" if fmt == "speculators" else fmt, root)
 
-    out = out or default_out(recipe, fmt)
+    out = out or recipe.export_dir(fmt)
     tmp = fresh_dir(out.with_name(f".{out.name}.tmp"))
     tensors = head_to_hf(head)
     if spec.kind == "eagle3":
@@ -140,7 +135,7 @@ def _default_aux(cfg: ModelConfig) -> list[int]:
 
 def model_card(recipe: Recipe, spec, fmt: str, trained: dict) -> str:
     """A short README for the exported directory."""
-    report_path = recipe.output_dir / "eval" / FILES["json"]
+    report_path = recipe.eval_dir / FILES["json"]
     lines = [f"# {spec.kind} draft head for {recipe.target.path.name} ({ENGINE_NAMES[fmt]} format)", "",
              f"- Target: `{recipe.target.path}` (fingerprint `{spec.target_fingerprint[:16]}`), "
              f"{spec.target.num_layers} layers, hidden {spec.target.hidden_size}, vocab {spec.target.vocab_size}.",

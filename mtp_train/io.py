@@ -1,4 +1,4 @@
-"""Atomic writes, the crash hook that tests them, and token-budget groups: shared by every stage.
+"""Atomic writes, the crash and pause hooks that test them, and token-budget groups: shared by every stage.
 
 A file is written to a hidden temp file in the same directory (``.NAME.tmp``), fsync'd, renamed over
 ``NAME``, and then the directory is fsync'd; a failure removes the temp file. A directory is filled
@@ -16,12 +16,25 @@ from pathlib import Path
 from typing import Any
 
 CRASH_ENV = "MTP_TRAIN_CRASH_AT"  # test hook: "point:index" kills the process there with SIGKILL
+PAUSE_ENV = "MTP_TRAIN_PAUSE_AT"  # test hook: "point:index" stops the process there with SIGSTOP
+PAUSE_PID_ENV = "MTP_TRAIN_PAUSE_PIDFILE"  # where a pausing process first writes its pid
 
 
 def crash_point(point: str, index: int) -> None:
     """Die like a killed job at ``point`` for ``index`` (a shard, a step) when the test hook asks for it."""
     if os.environ.get(CRASH_ENV) == f"{point}:{index}":
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def pause_point(point: str, index: int) -> None:
+    """Stop (SIGSTOP) at ``point`` for ``index`` when the test hook asks for it, after writing this process's pid
+    to the hook's pid file, if one is named: a test then acts on a process that cannot move on (damages its
+    inputs, signals it) and continues it with SIGCONT, with no race against its progress."""
+    if os.environ.get(PAUSE_ENV) != f"{point}:{index}":
+        return
+    if pid_file := os.environ.get(PAUSE_PID_ENV):
+        write_atomic(Path(pid_file), str(os.getpid()))
+    os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def fsync_dir(path: Path) -> None:

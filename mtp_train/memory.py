@@ -29,7 +29,7 @@ from mtp_train.runtime.engine import LOGITS_CHUNK
 from mtp_train.runtime.kv_cache import KVPool
 from mtp_train.train.loss import CHUNK_BYTES
 from mtp_train.train.vocab import draft_vocab_size
-from precompute.run import stored_layers
+from mtp_train.features.layers import stored_layers
 
 GIB = 2**30
 H100_BYTES = 80 * 10**9  # an H100 80 GB reports about 79.1 GiB

@@ -27,7 +27,7 @@ def _rel(path: Path) -> str:
 
 
 def _precompute(recipe: Recipe, **options) -> None:
-    from precompute.run import run_precompute
+    from mtp_train.precompute.run import run_precompute
 
     run_precompute(recipe, **options)
 
@@ -47,16 +47,16 @@ def head_kinds(recipe: Recipe) -> list[str]:
 
 
 def _eval(recipe: Recipe, baseline: Path | None = None, **options) -> None:
-    from eval.run import run_eval
+    from mtp_train.eval.run import run_eval
 
     run_eval(recipe, baseline)
 
 
 def _report(recipe: Recipe, baseline: Path | None = None, **options) -> None:
-    from eval.run import eval_dir, rerender
+    from mtp_train.eval.run import rerender
 
     if options.get("full_run"):  # the eval stage has just written it
-        print(f"mtp-train: done; the report is {_rel(eval_dir(recipe) / 'report.html')} "
+        print(f"mtp-train: done; the report is {_rel(recipe.eval_dir / 'report.html')} "
               f"(also report.md and report.json)")
         return
     rerender(recipe, baseline)
@@ -76,17 +76,17 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         "train",
         lambda r: f"{' and '.join(head_kinds(r))} head(s) ({r.head.num_layers} layer(s), unroll {r.train.unroll}) "
-        f"-> {_rel(r.output_dir / 'heads')}",
+        f"-> {_rel(r.head_dir().parent)}",
         _train,
     ),
     Stage(
         "eval",
         lambda r: f"speculative decoding on {', '.join(r.eval.prompt_sets)}, k={r.eval.k}, "
         f"T={r.eval.temperatures}" + (f", draft model {_rel(r.eval.draft_model)}" if r.eval.draft_model else "")
-        + f" -> {_rel(r.output_dir / 'eval')}",
+        + f" -> {_rel(r.eval_dir)}",
         _eval,
     ),
-    Stage("report", lambda r: f"JSON, Markdown and HTML with plots -> {_rel(r.output_dir / 'eval')}", _report),
+    Stage("report", lambda r: f"JSON, Markdown and HTML with plots -> {_rel(r.eval_dir)}", _report),
 )
 
 
@@ -98,8 +98,8 @@ def _export(recipe: Recipe, fmt: str = "vllm", out: Path | None = None, **option
 
 
 # Not part of a full run: exporting is asked for explicitly.
-EXPORT = Stage("export", lambda r: f"{_rel(r.output_dir / 'heads' / r.head.kind)} -> a serving engine's format "
-               f"(--format vllm|sglang) in {_rel(r.output_dir / 'export')}", _export)
+EXPORT = Stage("export", lambda r: f"{_rel(r.head_dir())} -> a serving engine's format "
+               f"(--format vllm|sglang|speculators), e.g. {_rel(r.export_dir('vllm'))}", _export)
 STAGE_BY_NAME = {s.name: s for s in (*STAGES, EXPORT)}
 
 
@@ -113,7 +113,7 @@ def check_data(recipe: Recipe, stages: tuple[Stage, ...]) -> None:
     """When precompute is planned, its template and loss-mask checks on the first rows of the data: the tokenizer
     only, no weights, so that ``--dry-run`` refuses a template before anything is loaded or queued."""
     if any(stage.name == "precompute" for stage in stages):
-        from precompute.preflight import check_first_rows
+        from mtp_train.precompute.preflight import check_first_rows
 
         check_first_rows(recipe)
 

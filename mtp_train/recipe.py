@@ -266,9 +266,33 @@ class Recipe(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
 
+    # Every path a run writes, in one place.
     @property
     def features_dir(self) -> Path:
         return self.precompute.features_dir or self.output_dir / "features"
+
+    def head_dir(self, kind: str | None = None) -> Path:
+        """The trained head of ``kind`` (the recipe's ``head.kind`` by default)."""
+        return self.output_dir / "heads" / (kind or self.head.kind)
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.output_dir / "checkpoints" / self.head.kind
+
+    @property
+    def train_log(self) -> Path:
+        return self.output_dir / f"train_log.{self.head.kind}.jsonl"
+
+    @property
+    def eval_dir(self) -> Path:
+        return self.output_dir / "eval"
+
+    def export_dir(self, fmt: str) -> Path:
+        return self.output_dir / "export" / f"{self.head.kind}-{fmt}"
+
+    @property
+    def slurm_dir(self) -> Path:
+        return self.output_dir / "slurm"
 
 
 def _format_error(source: str, err: ValidationError) -> str:

@@ -151,17 +151,13 @@ def render(recipe_path: Path, overrides: list[str], recipe: Recipe, opts: SlurmO
     return scripts
 
 
-def slurm_dir(recipe: Recipe) -> Path:
-    return recipe.output_dir / "slurm"
-
-
 def log_dir(recipe: Recipe) -> Path:
-    return slurm_dir(recipe) / "logs"
+    return recipe.slurm_dir / "logs"
 
 
 def write_scripts(scripts: dict[str, str], recipe: Recipe) -> dict[str, Path]:
     """Write each script atomically (temp file, fsync, rename) into ``OUTPUT_DIR/slurm/``."""
-    out = slurm_dir(recipe)
+    out = recipe.slurm_dir
     log_dir(recipe).mkdir(parents=True, exist_ok=True)  # SLURM does not create the --output directory
     paths = {}
     for job, text in scripts.items():
@@ -311,9 +307,9 @@ def wait_chain(ids: dict[str, str], timeout: float | None = None, poll: float = 
 
 def merge_features(root: Path) -> int:
     """The array's final step: write ``manifest.json`` from complete rank manifests when no task did."""
-    from precompute.manifest import MERGED
-    from precompute.run import merge_manifests
-    from precompute.verify import load_features_manifest
+    from mtp_train.features.manifest import MERGED
+    from mtp_train.precompute.run import merge_manifests
+    from mtp_train.features.verify import load_features_manifest
 
     if (root / MERGED).is_file():
         print(f"merge: {root / MERGED} exists")
@@ -330,7 +326,7 @@ def preflight(recipe: Recipe) -> None:
     """Precompute's template and loss-mask checks on the first rows, before anything is queued, where this node
     sees the data and the target (a login node may not: then the precompute job runs them)."""
     if all(p.exists() for p in recipe.data.train) and (recipe.target.path / "config.json").is_file():
-        from precompute.preflight import check_first_rows
+        from mtp_train.precompute.preflight import check_first_rows
 
         check_first_rows(recipe)
     else:
@@ -343,7 +339,7 @@ def run_slurm(recipe_path: Path, overrides: list[str], recipe: Recipe, opts: Slu
     """``mtp-train slurm``: check the data, render, then print (dry run) or write, submit, and optionally wait."""
     preflight(recipe)
     scripts = render(recipe_path, overrides, recipe, opts)
-    out = slurm_dir(recipe)
+    out = recipe.slurm_dir
     paths = {job: out / f"{job}.sbatch" for job in JOBS}
     if dry_run:
         for job in JOBS:

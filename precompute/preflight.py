@@ -12,9 +12,9 @@ import itertools
 
 from mtp_train.errors import UserError
 from mtp_train.recipe import Recipe
-from precompute.chat_mask import require_template
-from precompute.dataset import LoadedData, Row, encode_many, load_rows
-from precompute.tokenizer import load_tokenizer
+from mtp_train.data.chat_mask import require_template
+from mtp_train.data.dataset import LoadedData, Row, encode_many, load_rows
+from mtp_train.data.tokenizer import load_tokenizer
 
 FIRST_ROWS = 8
 

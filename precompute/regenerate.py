@@ -31,7 +31,7 @@ from mtp_train.recipe import SamplingConfig
 from mtp_train.runtime.engine import Engine
 from mtp_train.runtime.sampling import SamplingParams
 from mtp_train.runtime.sequence import Status
-from precompute.dataset import Row
+from mtp_train.data.dataset import Row
 from mtp_train.io import crash_point
 
 

@@ -19,15 +19,15 @@ from pathlib import Path
 import torch
 
 from mtp_train.errors import UserError
-from mtp_train.heads.eagle3 import aux_layers_for
 from mtp_train.hf_checkpoint import find_checkpoint
 from mtp_train.io import crash_point, group_by_tokens
 from mtp_train.models.config import ModelConfig
 from mtp_train.progress import Progress
 from mtp_train.recipe import Recipe
 from mtp_train.threads import set_threads, warn_if_oversubscribed
-from precompute.dataset import Row, encode_many, heldout_ids, load_rows, rank_slice
-from precompute.manifest import (
+from mtp_train.data.dataset import Row, encode_many, heldout_ids, load_rows, rank_slice
+from mtp_train.features.layers import eagle3_layers, stored_layers
+from mtp_train.features.manifest import (
     MERGED,
     Manifest,
     ShardEntry,
@@ -41,9 +41,9 @@ from precompute.manifest import (
     tokenizer_fingerprint,
     union,
 )
-from precompute.preflight import check_data_files, check_rows, mask_counts
-from precompute.tokenizer import load_tokenizer
-from precompute.writer import ShardWriter
+from mtp_train.precompute.preflight import check_data_files, check_rows, mask_counts
+from mtp_train.data.tokenizer import load_tokenizer
+from mtp_train.features.writer import ShardWriter
 
 
 @dataclass(frozen=True)
@@ -67,21 +67,6 @@ def resolve_worker(rank: int | None, world: int | None, tp: int) -> Worker:
     if not 0 <= w.rank < w.world:
         raise UserError(f"--rank {w.rank} is outside --world-size {w.world}")
     return w
-
-
-def stored_layers(recipe: Recipe, cfg: ModelConfig) -> list[int]:
-    """The decoder layers whose outputs precompute stores, ascending, the last layer last: ``precompute.layers``
-    and, when an ``eagle3`` head is trained (``head.kind`` or ``eval.compare``), the layers it reads (the outputs of
-    layers ``k - 1`` for its aux ids ``k``)."""
-    ids = {lid % cfg.num_layers for lid in recipe.precompute.layers} | {cfg.num_layers - 1}
-    return sorted(ids | set(eagle3_layers(recipe, cfg)))
-
-
-def eagle3_layers(recipe: Recipe, cfg: ModelConfig) -> list[int]:
-    """Outputs of these layers are what an ``eagle3`` head of the recipe reads (none when it trains no such head)."""
-    if "eagle3" not in [recipe.head.kind, *recipe.eval.compare]:
-        return []
-    return [k - 1 for k in aux_layers_for(recipe.head.aux_layers, cfg)]
 
 
 def recipe_settings(recipe: Recipe, world: int, cfg: ModelConfig) -> dict:
@@ -213,7 +198,7 @@ def run_precompute(
     by_id = {r.row_id: r for r in data.rows}
     rows: list[Row] = [by_id[i] for i in mine]
     if recipe.data.regenerate:
-        from precompute.regenerate import regenerate, regenerated_path
+        from mtp_train.precompute.regenerate import regenerate, regenerated_path
 
         source = {k: fingerprint[k] for k in ("target", "tokenizer", "chat_template", "data")}
         regen_key = text_fingerprint(json.dumps({**source, "sampling": recipe.data.sampling.model_dump(),

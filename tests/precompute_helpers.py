@@ -52,7 +52,7 @@ def run_precompute_cli(recipe: Path, *args: str, crash_at: str | None = None, ti
 
 def shard_contents(features: Path) -> dict[int, dict]:
     """Every stored row's tensors, keyed by row id."""
-    from precompute.reader import FeatureReader
+    from mtp_train.features.reader import FeatureReader
 
     reader = FeatureReader(features)
     return {ref.row_id: reader.load(ref) for ref in reader.sequences}

@@ -16,8 +16,8 @@ import pytest
 
 from conftest import TINY_TARGET
 from mtp_train.errors import UserError
-from precompute.chat_mask import has_generation_markers
-from precompute.dataset import encode_many
+from mtp_train.data.chat_mask import has_generation_markers
+from mtp_train.data.dataset import encode_many
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "shared" / "templates"
 
@@ -202,7 +202,7 @@ def test_unalignable_template_is_a_one_line_error(base_tokenizer):
 
 
 def test_no_chat_template_is_a_one_line_error(base_tokenizer):
-    from precompute.chat_mask import require_template
+    from mtp_train.data.chat_mask import require_template
 
     tok = copy.deepcopy(base_tokenizer)
     tok.chat_template = None

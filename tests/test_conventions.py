@@ -10,7 +10,7 @@ import torch
 import yaml
 
 from conftest import TINY_TARGET, run_cli, sgd_chat_prompts
-from eval.metrics import RequestTrace, engine_counts
+from mtp_train.eval.metrics import RequestTrace, engine_counts
 from mtp_train.heads import build_head, head_spec
 from mtp_train.heads.base import HeadSpec
 from mtp_train.heads.conventions import Choices, served_by, validity_line

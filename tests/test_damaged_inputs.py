@@ -107,7 +107,7 @@ def test_shard_damaged_mid_run_stops_training_after_its_last_checkpoint(trained_
 def test_shard_damaged_after_the_check_is_one_line_for_every_reader(trained_run, tmp_path):
     """After the start-up check: the trainer's positioned reads and the eval's memory-mapped reads alike."""
     from mtp_train.train.data import load_batch
-    from precompute.reader import FeatureReader
+    from mtp_train.features.reader import FeatureReader
 
     run = copy_run(trained_run, tmp_path, "features")
     reader = FeatureReader(run / "features")

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from eval.diagnosis import SHIFT_GAP, diagnose
-from eval.render import render_markdown
-from eval.report import Group, SweepPoint
+from mtp_train.eval.diagnosis import SHIFT_GAP, diagnose
+from mtp_train.eval.render import render_markdown
+from mtp_train.eval.report import Group, SweepPoint
 from test_report import make_report
 
 

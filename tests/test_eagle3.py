@@ -27,7 +27,7 @@ from mtp_train.runtime.engine import Engine
 from mtp_train.train.checkpoint import load_head
 from mtp_train.train.ttt import TTTAttention
 from mtp_train.train.vocab import frequent_tokens
-from precompute.reader import FeatureReader
+from mtp_train.features.reader import FeatureReader
 
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 

@@ -65,14 +65,14 @@ def test_report_with_a_baseline_flags_a_regression(trained_run, tmp_path):
 
 def test_runtime_validation_equals_the_trainer_module(trained_run):
     """Same held-out rows: the trainer's validate() on stored features vs the runtime's target and paged head."""
-    from eval.validation import runtime_validation
+    from mtp_train.eval.validation import runtime_validation
     from mtp_train.heads.frozen import FrozenTarget
     from mtp_train.recipe import load_recipe
     from mtp_train.runtime.engine import Engine
     from mtp_train.runtime.drafters import HeadDrafter
     from mtp_train.train.checkpoint import load_head
     from mtp_train.train.trainer import heldout_batches, loss_weights, validate
-    from precompute.reader import FeatureReader
+    from mtp_train.features.reader import FeatureReader
 
     recipe = load_recipe(trained_run)
     reader = FeatureReader(recipe.features_dir, target=recipe.target.path)

@@ -6,7 +6,7 @@ from __future__ import annotations
 def test_eval_fingerprint_changes_when_a_comparison_head_is_retrained(tmp_path):
     """The eval is skipped only when nothing it depends on changed, comparison heads included."""
     from conftest import TINY_TARGET
-    from eval.run import _fingerprint
+    from mtp_train.eval.run import _fingerprint
     from mtp_train.recipe import Recipe
 
     for kind in ("mtp", "eagle"):

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from conftest import REPO, TINY_TARGET
-from eval.metrics import (
+from mtp_train.eval.metrics import (
     RequestTrace,
     alpha,
     distinct2,
@@ -17,7 +17,7 @@ from eval.metrics import (
     length_bucket,
     pooled_tau,
 )
-from eval.prompts import PROMPT_SETS, EvalPrompt, heldout_context, heldout_cuts, load_prompt_set, render_prompt
+from mtp_train.eval.prompts import PROMPT_SETS, EvalPrompt, heldout_context, heldout_cuts, load_prompt_set, render_prompt
 from mtp_train.errors import UserError
 from mtp_train.recipe import PROMPT_SETS as RECIPE_PROMPT_SETS
 
@@ -252,7 +252,7 @@ def test_heldout_picks_spread_over_turns():
 def test_heldout_rows_from_precompute_render_as_a_prefix_of_the_training_tokens():
     from transformers import AutoTokenizer
 
-    from precompute.dataset import encode, load_rows
+    from mtp_train.data.dataset import encode, load_rows
 
     tok = AutoTokenizer.from_pretrained(TINY_TARGET)
     data = load_rows([REPO / "data/sgd/sgd_dev_sharegpt.jsonl.gz"], "auto", False, 40)
@@ -287,7 +287,7 @@ def test_eval_prompt_is_frozen():
 
 
 def test_prompt_set_groups_pool_back_to_the_whole():
-    from eval.metrics import sweep_point
+    from mtp_train.eval.metrics import sweep_point
 
     traces = [trace([1, 0, 1], [2, 1, 2], pid="spec_bench/1", cat="coding"),
               trace([0, 0], [1, 1], pid="mt_bench/2", cat="writing"),

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from conftest import TINY_TARGET, sgd_chat_prompts
-from eval.lossless import NEAR_TIE, SHOWN, STRICT, LosslessCheck, check_lossless, check_name, classify, summarize
-from eval.report import Divergence
-from eval.timing import PlainTiming, is_decode_step, plain_decode, step_costs, warm_up
+from mtp_train.eval.lossless import NEAR_TIE, SHOWN, STRICT, LosslessCheck, check_lossless, check_name, classify, summarize
+from mtp_train.eval.report import Divergence
+from mtp_train.eval.timing import PlainTiming, is_decode_step, plain_decode, step_costs, warm_up
 from mtp_train.models.checkpoint import load_transformer
 from mtp_train.runtime.engine import Engine, GenerationResult
 from mtp_train.runtime.sampling import SamplingParams
@@ -82,7 +82,7 @@ def test_a_plain_run_leaves_prefill_and_mixed_steps_out_of_the_decode_mean(promp
 
 
 def test_warm_up_runs_a_full_draft_chain_at_each_temperature(prompts, monkeypatch):
-    import eval.timing
+    import mtp_train.eval.timing
 
     runs = []
 

@@ -41,7 +41,7 @@ def small_run(tmp_path_factory):
     """A small recipe, with its features precomputed and an mtp head trained on the CPU (outside the fake device)."""
     from mtp_train.recipe import load_recipe
     from mtp_train.train.trainer import run_train
-    from precompute.run import run_precompute
+    from mtp_train.precompute.run import run_precompute
 
     tmp = tmp_path_factory.mktemp("fake_cuda")
     data = write_jsonl(tmp / "sgd.jsonl", sgd_rows(12, split="train"))
@@ -72,7 +72,7 @@ def _copy(path, name: str):
 
 @pytest.mark.slow
 def test_precompute_places_everything_on_the_gpu(small_run, monkeypatch):
-    from precompute.run import run_precompute
+    from mtp_train.precompute.run import run_precompute
 
     recipe, _, out = _copy(small_run, "precompute_on_gpu")
     with fake_cuda(monkeypatch):
@@ -100,7 +100,7 @@ def test_speculative_eval_places_everything_on_the_gpu(small_run, monkeypatch):
     import json
     import shutil
 
-    from eval.run import run_eval
+    from mtp_train.eval.run import run_eval
 
     recipe, original, out = _copy(small_run, "eval_on_gpu")
     shutil.copytree(original / "features", out / "features")

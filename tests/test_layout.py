@@ -1,4 +1,5 @@
-"""The house rules: parts import only downward (README, "Layout"), no module cycle, no Python file over 400 lines.
+"""The house rules: parts import only downward (README, "Layout"), no module cycle, no base or training module
+imports a stage, no product function over 80 lines, no Python file over 400 lines.
 
 Every import counts, wherever it stands: at the top, inside a function, or under ``TYPE_CHECKING``.
 """
@@ -10,16 +11,22 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("mtp_train", "precompute", "eval")
+# Folder -> the package it installs as (pyproject.toml's package-dir): the stages live at the root.
+PACKAGES = {"mtp_train": "mtp_train", "precompute": "mtp_train.precompute", "eval": "mtp_train.eval"}
 MAX_LINES = 400
+MAX_FUNCTION_LINES = 80
+BASE = ("errors", "io", "recipe", "hf_checkpoint", "progress", "threads", "models", "heads", "runtime", "features",
+        "data")
+STAGES = ("mtp_train.precompute", "mtp_train.eval")
 
 
 def _module(path: Path) -> str:
-    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+    folder, *rest = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join([PACKAGES[folder], *rest]).removesuffix(".__init__")
 
 
 def _sources() -> dict[str, Path]:
-    return {_module(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+    return {_module(p): p for folder in PACKAGES for p in sorted((ROOT / folder).rglob("*.py"))}
 
 
 def _imported(module: str, path: Path, known: set[str]) -> set[str]:
@@ -35,7 +42,7 @@ def _imported(module: str, path: Path, known: set[str]) -> set[str]:
                 names = package.split(".")
                 base = ".".join(names[: len(names) - node.level + 1] + ([base] if base else []))
             found.update(f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names)
-    return {name for name in found if name.split(".")[0] in PACKAGES and name != module}
+    return {name for name in found if name.split(".")[0] == "mtp_train" and name != module}
 
 
 def module_graph() -> dict[str, set[str]]:
@@ -44,9 +51,8 @@ def module_graph() -> dict[str, set[str]]:
 
 
 def part(module: str) -> str:
-    """``mtp_train.<subpackage or module>``, ``precompute`` or ``eval``."""
-    names = module.split(".")
-    return ".".join(names[:2]) if names[0] == "mtp_train" and len(names) > 1 else names[0]
+    """``mtp_train.<subpackage or module>`` (the stages are ``mtp_train.precompute`` and ``mtp_train.eval``)."""
+    return ".".join(module.split(".")[:2])
 
 
 def part_graph() -> dict[str, set[str]]:
@@ -98,12 +104,37 @@ def test_the_readme_layers_are_the_imports() -> None:
     assert not upward, f"imports that README's layers do not allow: {upward}"
 
 
+def test_no_base_or_training_module_imports_a_stage() -> None:
+    """Only orchestration (cli, pipeline, slurm, export, memory) imports precompute or eval."""
+    lower = tuple(f"mtp_train.{name}" for name in (*BASE, "train"))
+    found = [f"{module} -> {target}" for module, targets in module_graph().items() if part(module) in lower
+             for target in targets if part(target) in STAGES]
+    assert not found, f"a base or training module imports a stage: {found}"
+    assert {part(m) for m in module_graph()} >= set(lower) | set(STAGES), "a part named here no longer exists"
+
+
 def test_the_checker_sees_function_level_imports(tmp_path: Path) -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
     lazy = tmp_path / "run.py"
-    lazy.write_text("def f():\n    from eval.report import Report\n")
-    assert _imported("precompute.run", lazy, {"eval.report"}) == {"eval.report"}
+    lazy.write_text("def f():\n    from mtp_train.eval.report import Report\n")
+    assert _imported("mtp_train.precompute.run", lazy, {"mtp_train.eval.report"}) == {"mtp_train.eval.report"}
+    assert _module(ROOT / "eval" / "run.py") == "mtp_train.eval.run"
+
+
+def long_functions(path: Path) -> dict[str, int]:
+    """``name: lines`` of each function in ``path`` longer than the limit (nested functions count within theirs)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return {node.name: n for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if (n := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES}
+
+
+def test_no_product_function_over_80_lines(tmp_path: Path) -> None:
+    long = {f"{p.relative_to(ROOT)}:{name}": n for p in _sources().values() for name, n in long_functions(p).items()}
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines (split them into named steps): {long}"
+    sample = tmp_path / "long.py"
+    sample.write_text("def f():\n" + "    x = 1\n" * MAX_FUNCTION_LINES)
+    assert long_functions(sample) == {"f": MAX_FUNCTION_LINES + 1}
 
 
 def test_no_python_file_over_400_lines() -> None:

@@ -14,7 +14,7 @@ import torch
 from conftest import REPO, TINY_TARGET, run_cli
 from mtp_train.errors import UserError
 from mtp_train.recipe import load_recipe
-from precompute.dataset import encode, load_rows
+from mtp_train.data.dataset import encode, load_rows
 from precompute_helpers import make_recipe, other_target, run_precompute_cli, sgd_rows, shard_contents, write_jsonl
 
 
@@ -28,7 +28,7 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """An uninterrupted in-process run over 40 SGD dev dialogues."""
-    from precompute.run import run_precompute
+    from mtp_train.precompute.run import run_precompute
 
     tmp = tmp_path_factory.mktemp("reference")
     data = write_jsonl(tmp / "sgd.jsonl", sgd_rows(40))
@@ -197,7 +197,7 @@ def test_missing_shard_is_detected(copy_of_reference):
 
 
 def test_features_from_another_target_are_refused(copy_of_reference, tmp_path):
-    from precompute.reader import FeatureReader
+    from mtp_train.features.reader import FeatureReader
 
     other = other_target(tmp_path)
     assert len(FeatureReader(copy_of_reference, target=TINY_TARGET).train) == 36

@@ -138,7 +138,7 @@ def test_oversubscription_is_one_warning_line():
 def test_precompute_and_train_report_progress_into_a_log(tmp_path, monkeypatch):
     """stderr is a pipe here, as under nohup or SLURM: lines, not a bar, per batch of the target and per step."""
     from mtp_train.train.data import plan_batches
-    from precompute.reader import FeatureReader
+    from mtp_train.features.reader import FeatureReader
 
     monkeypatch.setenv(EVERY_ENV, "0")
     data = write_jsonl(tmp_path / "sgd.jsonl", sgd_rows(24, split="train"))

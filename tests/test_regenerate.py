@@ -9,8 +9,8 @@ import pytest
 
 from conftest import TINY_TARGET
 from mtp_train.recipe import SamplingConfig
-from precompute.dataset import Row
-from precompute.regenerate import regenerate
+from mtp_train.data.dataset import Row
+from mtp_train.precompute.regenerate import regenerate
 from precompute_helpers import sgd_rows
 
 

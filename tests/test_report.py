@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from eval.plots import PLOTS
-from eval.render import render_html, render_markdown, write_report
-from eval.report import Group, Report, Sample, SweepPoint, compare, load_report
+from mtp_train.eval.plots import PLOTS
+from mtp_train.eval.render import render_html, render_markdown, write_report
+from mtp_train.eval.report import Group, Report, Sample, SweepPoint, compare, load_report
 from mtp_train.errors import UserError
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -239,8 +239,8 @@ def test_speedups_all_below_one_are_explained():
 
 
 def test_lossless_check_divergences_and_the_terms_of_c_are_rendered(tmp_path: Path):
-    from eval.lossless import NEAR_TIE
-    from eval.report import DraftCost, Divergence
+    from mtp_train.eval.lossless import NEAR_TIE
+    from mtp_train.eval.report import DraftCost, Divergence
 
     sweep = [_point(k, t) for k in (1, 2) for t in (0.0, 0.7)]
     for p in sweep:

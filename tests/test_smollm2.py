@@ -108,7 +108,7 @@ def test_stock_template_precompute_train_eval(tmp_path):
     features = tmp_path / "run" / "features"
     manifest = json.loads((features / "manifest.json").read_text())
     assert manifest["complete"] and manifest["hidden_size"] == 576
-    from precompute.reader import FeatureReader
+    from mtp_train.features.reader import FeatureReader
 
     reader = FeatureReader(features)
     from transformers import AutoTokenizer

@@ -184,9 +184,9 @@ def test_a_draft_vocabulary_keeps_decoding_lossless(prompts, reference, trained_
 
 
 def test_the_draft_vocabulary_is_the_most_frequent_assistant_tokens(trained_run):
-    from eval.run import draft_vocab
+    from mtp_train.eval.run import draft_vocab
     from mtp_train.recipe import load_recipe
-    from precompute.reader import FeatureReader
+    from mtp_train.features.reader import FeatureReader
 
     recipe = load_recipe(trained_run, [f"eval.draft_vocab={64}"])
     vocab = draft_vocab(recipe, 4096)

@@ -138,7 +138,7 @@ def test_both_heads_learn_and_mtp_beats_a_bigram_baseline(tmp_path, features):
         assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:3]) / 3, (kind, losses)
         results[kind] = json.loads((tmp_path / "run" / "heads" / kind / "config.json").read_text())["validation"]
     # Bigram baseline: predict the target's next token from the current label token alone, fit on train.
-    from precompute.reader import FeatureReader
+    from mtp_train.features.reader import FeatureReader
 
     reader = FeatureReader(features[0])
     counts = {}

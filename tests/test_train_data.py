@@ -20,7 +20,7 @@ FIELDS = ("tokens", "hidden", "loss_mask", "topk_logprobs", "topk_ids", "tail_lo
 
 def _precompute(tmp, rows, **precompute):
     from mtp_train.recipe import load_recipe
-    from precompute.run import run_precompute
+    from mtp_train.precompute.run import run_precompute
 
     data = write_jsonl(tmp / "sgd.jsonl", rows)
     recipe = make_recipe(tmp, data, data={"heldout_rows": 2, "max_length": 96},
@@ -57,7 +57,7 @@ def batches_of(reader, batch_tokens):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("batch_tokens", [40, 300])
 def test_load_batch_is_bit_identical_to_per_sequence_packing(features, dtype, batch_tokens):
-    from precompute.reader import FeatureReader
+    from mtp_train.features.reader import FeatureReader
 
     for root in features:
         reader = FeatureReader(root)
@@ -74,7 +74,7 @@ def test_load_batch_is_bit_identical_to_per_sequence_packing(features, dtype, ba
 
 
 def test_every_token_counts_when_asked(features):
-    from precompute.reader import FeatureReader
+    from mtp_train.features.reader import FeatureReader
 
     reader = FeatureReader(features[0])
     refs = batches_of(reader, 300)[0]
@@ -84,7 +84,7 @@ def test_every_token_counts_when_asked(features):
 
 
 def test_cold_page_cache_and_plain_reads_give_the_same_batches(features, monkeypatch):
-    import precompute.reader as reader_module
+    import mtp_train.features.reader as reader_module
 
     root = features[0]
     mapped = reader_module.FeatureReader(root)
@@ -115,7 +115,7 @@ def test_cold_page_cache_and_plain_reads_give_the_same_batches(features, monkeyp
 
 def test_prefetch_thread_and_validation_can_load_at_once(features):
     """The trainer loads the next batch on a thread while validation loads on the main one."""
-    from precompute.reader import FeatureReader
+    from mtp_train.features.reader import FeatureReader
 
     reader = FeatureReader(features[0])
     batches = batches_of(reader, 60)
@@ -137,7 +137,7 @@ def test_prefetch_thread_and_validation_can_load_at_once(features):
 
 
 def test_a_truncated_shard_is_an_error_naming_it(features, tmp_path):
-    from precompute.reader import FeatureReader
+    from mtp_train.features.reader import FeatureReader
 
     root = shutil.copytree(features[0], tmp_path / "features")
     reader = FeatureReader(root)
@@ -152,7 +152,7 @@ def test_plan_is_a_seeded_shard_windowed_shuffle(features, monkeypatch):
     """Every sequence once per epoch, the same plan for the same seed and epoch, another for the next epoch, and
     each batch within one window of at most SHARD_WINDOW shards; with fewer shards than that, one window."""
     from mtp_train.train import data
-    from precompute.reader import FeatureReader
+    from mtp_train.features.reader import FeatureReader
 
     reader = FeatureReader(features[0])
     refs = reader.sequences
@@ -184,13 +184,13 @@ def test_load_batch_reads_the_window_and_the_next_one_ahead(features, monkeypatc
     """A planned batch asks the reader for its window's and the next window's shard files (once per window); a
     batch that is not in the plan (validation) asks for nothing; the batches are the same either way."""
     from mtp_train.train import data
-    from precompute.reader import FeatureReader
+    from mtp_train.features.reader import FeatureReader
 
     monkeypatch.setattr(data, "SHARD_WINDOW", 2)
     reader = FeatureReader(features[0])
     refs = reader.sequences
     asked = []
-    monkeypatch.setattr("precompute.reader._read_whole", lambda f: asked.append(os.path.basename(f.path)))
+    monkeypatch.setattr("mtp_train.features.reader._read_whole", lambda f: asked.append(os.path.basename(f.path)))
     plan = plan_batches(refs, 300, 3, 0)
     windows = data.plan_windows(refs, 3, 0) + data.plan_windows(refs, 3, 1)[:1]
     got = [load_batch(reader, [refs[i] for i in ids], 300, torch.float32) for ids in plan]

@@ -28,7 +28,7 @@ from mtp_train.hf_checkpoint import find_checkpoint
 from mtp_train.io import fresh_dir, replace_dir, write_atomic, write_json_atomic
 from mtp_train.models.checkpoint import layer_from_hf, layer_to_hf, read_tensors, weight_locations
 from mtp_train.models.config import ModelConfig
-from precompute.manifest import target_fingerprint
+from mtp_train.features.manifest import target_fingerprint
 
 LATEST = "latest"
 

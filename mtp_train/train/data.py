@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from mtp_train.io import group_by_tokens
-from precompute.reader import FeatureReader, SequenceRef
+from mtp_train.features.reader import FeatureReader, SequenceRef
 
 
 @dataclass

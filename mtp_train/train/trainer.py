@@ -34,7 +34,7 @@ import torch
 from mtp_train.errors import UserError
 from mtp_train.heads import build_head, head_spec
 from mtp_train.heads.frozen import FrozenTarget
-from mtp_train.io import crash_point, write_atomic
+from mtp_train.io import crash_point, pause_point, write_atomic
 from mtp_train.models.checkpoint import read_layer
 from mtp_train.progress import Progress
 from mtp_train.recipe import Recipe
@@ -45,8 +45,8 @@ from mtp_train.train.data import Batch, load_batch, plan_batches
 from mtp_train.train.loss import LossWeights, head_loss, simulated_tau
 from mtp_train.train.ttt import ttt_loss
 from mtp_train.train.vocab import aux_indices, draft_vocab_size, frequent_tokens
-from precompute.manifest import text_fingerprint
-from precompute.reader import FeatureReader
+from mtp_train.features.manifest import text_fingerprint
+from mtp_train.features.reader import FeatureReader
 
 
 EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped by a signal after a checkpoint; run again to resume
@@ -71,10 +71,6 @@ class StopRequest:
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-
-
-def head_dir(recipe: Recipe) -> Path:
-    return recipe.output_dir / "heads" / recipe.head.kind
 
 
 def _accelerator(recipe: Recipe):
@@ -183,7 +179,7 @@ def _log(path: Path, record: dict[str, Any]) -> None:
 def run_train(recipe: Recipe) -> Path:
     start = time.perf_counter()
     set_threads(recipe.threads)
-    out = head_dir(recipe)
+    out = recipe.head_dir()
     reader = FeatureReader(recipe.features_dir, target=recipe.target.path)
     frozen = FrozenTarget.load(recipe.target.path)
     if reader.manifest.layers[-1] != frozen.cfg.num_layers - 1:
@@ -221,7 +217,7 @@ def run_train(recipe: Recipe) -> Path:
                         f"{t.grad_accum} micro-batches; lower train.batch_tokens")
     total = t.max_steps or max(1, int(t.epochs * per_epoch))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(t.warmup_steps, total))
-    ckpt_root = recipe.output_dir / "checkpoints" / recipe.head.kind
+    ckpt_root = recipe.checkpoints_dir
     zero = recipe.train.engine == "deepspeed"  # optimizer state partitioned over the ranks
     saved = load_checkpoint(ckpt_root, head, scheduler)
     step = saved[1]["step"] if saved else 0
@@ -229,7 +225,7 @@ def run_train(recipe: Recipe) -> Path:
     model, optimizer = accelerator.prepare(head, optimizer)
     if saved:
         _restore_optimizer(optimizer, load_optimizer_shard(*saved, rank, world, zero), zero)
-    log_path = recipe.output_dir / f"train_log.{recipe.head.kind}.jsonl"
+    log_path = recipe.train_log
     if accelerator.is_main_process:
         recipe.output_dir.mkdir(parents=True, exist_ok=True)
         if log_path.exists():
@@ -312,6 +308,7 @@ def run_train(recipe: Recipe) -> Path:
         if saved_now:
             save_checkpoint(step, epoch, index)
             crash_point("train", step)
+            pause_point("train", step)
         if step < total and stop.agreed(accelerator):
             if not saved_now:
                 save_checkpoint(step, epoch, index)

@@ -7,7 +7,7 @@ import torch
 from mtp_train.errors import UserError
 from mtp_train.heads.eagle3 import aux_layers_for
 from mtp_train.models.config import ModelConfig
-from precompute.reader import FeatureReader
+from mtp_train.features.reader import FeatureReader
 
 
 def frequent_tokens(reader: FeatureReader, n: int, vocab_size: int) -> torch.Tensor:

@@ -9,7 +9,7 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 
 from mtp_train.errors import UserError
-from precompute.manifest import MERGED, Manifest, load_manifest, rank_manifest_name, union
+from mtp_train.features.manifest import MERGED, Manifest, load_manifest, rank_manifest_name, union
 
 
 def load_features_manifest(root: Path) -> Manifest:

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from mtp_train.errors import UserError
-from precompute.chat_mask import chat_masks
-from precompute.formats import BadRow, Messages, detect_format, to_messages
+from mtp_train.data.chat_mask import chat_masks
+from mtp_train.data.formats import BadRow, Messages, detect_format, to_messages
 
 
 @dataclass
@@ -106,7 +106,7 @@ def encode_many(
     tokenizer: Any, contents: list[Messages | str], max_length: int, row_ids: list[int] | None = None,
     chunk: int = 256,
 ) -> list[tuple[list[int], list[int], bool]]:
-    """``encode`` for many rows; chat rows are masked a chunk at a time (``precompute.chat_mask``).
+    """``encode`` for many rows; chat rows are masked a chunk at a time (``mtp_train.data.chat_mask``).
 
     ``row_ids`` name the rows in error messages (default: their positions in ``contents``).
     """

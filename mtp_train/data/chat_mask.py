@@ -23,7 +23,7 @@ import re
 from typing import Any
 
 from mtp_train.errors import UserError
-from precompute.formats import Messages
+from mtp_train.data.formats import Messages
 
 GENERATION_MARKER = re.compile(r"{%-?\s*generation\s*-?%}")
 FIX_HINT = "set data.chat_template to a .jinja template that fits this data"

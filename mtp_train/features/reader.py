@@ -22,8 +22,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from mtp_train.errors import UserError
-from precompute.manifest import Manifest, target_fingerprint
-from precompute.verify import load_features_manifest
+from mtp_train.features.manifest import Manifest, target_fingerprint
+from mtp_train.features.verify import load_features_manifest
 
 
 @dataclass(frozen=True)

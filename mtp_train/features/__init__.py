@@ -1,0 +1,1 @@
+"""The features format shared by the stages: manifest and fingerprints, shard writer, reader, verification."""
