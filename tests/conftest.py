@@ -5,8 +5,10 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -40,6 +42,44 @@ def assert_one_line_user_error(proc: subprocess.CompletedProcess[str], *needles:
     for needle in needles:
         assert needle in lines[0], lines[0]
     assert proc.stdout == ""
+
+
+def pause_env(point: str, index: int, directory: Path) -> dict[str, str]:
+    """The environment that makes a run stop itself (SIGSTOP) at ``point:index`` (``mtp_train.io.pause_point``),
+    first leaving a file named by its pid in ``directory``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    return {**os.environ, "MTP_TRAIN_PAUSE_AT": f"{point}:{index}", "MTP_TRAIN_PAUSE_DIR": str(directory)}
+
+
+def _proc_status(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/status") as f:
+        return dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
+
+
+def paused_processes(directory: Path, count: int, launched: subprocess.Popen | None = None,
+                     timeout: float = 600) -> list[int]:
+    """The pids of the ``count`` processes that stopped themselves at the pause hook (``pause_env``), once every one
+    is stopped: a state that lasts until the test continues them with SIGCONT. Fails at once if ``launched`` ends
+    first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert launched is None or launched.poll() is None, f"the run ended (status {launched.returncode}) unpaused"
+        pids = sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+        if len(pids) == count and all(_proc_status(pid)["State"].startswith("T") for pid in pids):
+            return pids
+        time.sleep(0.05)
+    raise AssertionError(f"{count} process(es) did not pause within {timeout} s: {directory}")
+
+
+def signal_pending(pid: int, signum: int) -> bool:
+    """Whether ``signum`` waits to be delivered to process ``pid`` (a stopped process keeps it until continued)."""
+    status = _proc_status(pid)
+    return any(int(status[key], 16) >> (signum - 1) & 1 for key in ("ShdPnd", "SigPnd"))
+
+
+def resume(pids: list[int]) -> None:
+    for pid in pids:
+        os.kill(pid, signal.SIGCONT)
 
 
 @pytest.fixture
@@ -93,6 +133,44 @@ def hf_model(root: Path):
 
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_pretrained(root, local_files_only=True, dtype=torch.float32).eval()
+
+
+def greedy_distinct2(model, tokenizer, seed: int, prompts: int = 50, new_tokens: int = 48) -> float:
+    """Distinct-2 of the greedy replies (batched) to the first turns of ``prompts`` SGD dev dialogues drawn with
+    ``seed``, as a tiny target's build script measures it."""
+    import random
+
+    import torch
+
+    from mtp_train.tools.tiny_target import distinct_n, read_sgd
+
+    first_turns = [d[:1] for d in random.Random(seed).sample(read_sgd("dev"), prompts)]
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"  # the prompts end where generation starts
+    try:
+        batch = tokenizer.apply_chat_template(first_turns, add_generation_prompt=True, return_tensors="pt",
+                                              return_dict=True, padding=True)
+    finally:
+        tokenizer.padding_side = side
+    with torch.no_grad():
+        out = model.generate(**batch, do_sample=False, max_new_tokens=new_tokens, pad_token_id=tokenizer.pad_token_id)
+    pad, start = tokenizer.pad_token_id, batch["input_ids"].shape[1]
+    return distinct_n([[t for t in row if t != pad] for row in out[:, start:].tolist()], 2)  # padded after each end
+
+
+def stand_in_checkpoint(root: Path, config: Path) -> Path:
+    """A checkpoint directory a dry run accepts without weights: the real ``config``, a weight index naming an
+    empty file (a dry run reads no weight) and the tiny target's tokenizer; beside it ``data.jsonl``, one chat row.
+    Returns ``root``."""
+    import shutil
+
+    shutil.copy(config, root / "config.json")
+    (root / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "w.safetensors"}}))
+    (root / "w.safetensors").write_bytes(b"")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(TINY_TARGET / name, root / name)
+    chat = {"messages": [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "Hi."}]}
+    (root / "data.jsonl").write_text(json.dumps(chat) + "\n")
+    return root
 
 
 def sgd_chat_prompts(count: int, cycle: int) -> list[list[int]]:

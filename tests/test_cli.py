@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, TINY_RECIPE, TINY_TARGET, assert_one_line_user_error, run_cli
+from conftest import REPO, TINY_RECIPE, TINY_TARGET, assert_one_line_user_error, run_cli, stand_in_checkpoint
 
 
 def test_help_is_fast_and_imports_no_torch():
@@ -159,13 +159,7 @@ def test_samples_dry_run_against_their_real_model_configs(tmp_path):
     """The 70B sample's TP=8 divides Llama-3.3-70B's 64 heads and 8 KV heads, and its dry run prints the memory plan
     that the recipe's comment states. (The dry run also renders the first rows of the data with the tokenizer: here
     the tiny target's, over a small file in the sample's format.)"""
-    shutil.copy(REPO / "recipes/configs/llama-3.3-70b.json", tmp_path / "config.json")
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "w.safetensors"}}))
-    (tmp_path / "w.safetensors").write_bytes(b"")
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(TINY_TARGET / name, tmp_path / name)
-    chat = {"messages": [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "Hi."}]}
-    (tmp_path / "data.jsonl").write_text(json.dumps(chat) + "\n")
+    stand_in_checkpoint(tmp_path, REPO / "recipes/configs/llama-3.3-70b.json")
     proc = run_cli(REPO / "recipes/llama3.3-70b.yaml", f"target.path={tmp_path}",
                    f"data.train={tmp_path / 'data.jsonl'}", "--dry-run")
     assert proc.returncode == 0, proc.stderr

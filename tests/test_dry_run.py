@@ -7,12 +7,10 @@ import json
 import shutil
 from pathlib import Path
 
-import pytest
-
-from conftest import REPO, TINY_TARGET, assert_one_line_user_error, run_cli
+from conftest import REPO, TINY_TARGET, assert_one_line_user_error, run_cli, stand_in_checkpoint
 from precompute_helpers import make_recipe, run_precompute_cli, sgd_rows, write_jsonl
 
-TEMPLATES = Path(__file__).resolve().parents[2] / "shared" / "templates"
+TEMPLATES = Path(__file__).resolve().parent / "templates"  # real templates, credited in its README.md
 # The assistant header depends on the answer's text, so no placeholder render lines up with the real one.
 UNREADABLE = ("{% for m in messages %}{% if m.role == 'assistant' %}<|assistant|>{{ m.content|length }}:{{ m.content }}"
               "{% else %}<|user|>{{ m.content }}{% endif %}<|eot|>{% endfor %}")
@@ -52,8 +50,6 @@ def test_a_target_without_a_chat_template_is_refused_by_the_dry_run(tmp_path):
 
 def test_a_real_template_that_refuses_a_system_message_is_refused_by_the_dry_run(tmp_path):
     path = TEMPLATES / "gemma-2-2b-it.jinja"
-    if not path.is_file():
-        pytest.skip(f"{path} is missing (the shared templates directory is not checked out)")
     rows = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"},
                           {"role": "assistant", "content": "Hello."}]}]
     recipe = _recipe(tmp_path, rows=rows, chat_template=str(path))
@@ -88,13 +84,7 @@ def test_the_deepseek_v2_lite_recipe_dry_runs_from_its_shipped_config(tmp_path):
     0 and prints the memory plan the recipe's comment states, with MLA's latent KV per token (27 layers x (512 + 64)
     x 2 bytes), not a Llama-shaped 2 x heads x head_dim."""
     recipe = REPO / "recipes" / "deepseek-v2-lite.yaml"
-    shutil.copy(REPO / "recipes" / "configs" / "deepseek-v2-lite" / "config.json", tmp_path / "config.json")
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "w.safetensors"}}))
-    (tmp_path / "w.safetensors").write_bytes(b"")
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(TINY_TARGET / name, tmp_path / name)
-    chat = {"messages": [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "Hi."}]}
-    (tmp_path / "data.jsonl").write_text(json.dumps(chat) + "\n")
+    stand_in_checkpoint(tmp_path, REPO / "recipes" / "configs" / "deepseek-v2-lite" / "config.json")
     proc = run_cli(recipe, f"target.path={tmp_path}", f"data.train={tmp_path / 'data.jsonl'}", "--dry-run")
     assert proc.returncode == 0, proc.stderr
     memory = proc.stdout.split("memory per rank")[1].splitlines()[1:]

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import REPO, TINY_TARGET, hf_model, hf_tokenizer, run_cli
+from conftest import REPO, TINY_TARGET, greedy_distinct2, hf_model, hf_tokenizer, run_cli
 
 DEEPSEEK_TARGET = REPO / "recipes" / "tiny-deepseek" / "target"
 DEEPSEEK_RECIPE = REPO / "recipes" / "tiny-deepseek.yaml"
@@ -114,24 +114,7 @@ def test_dev_loss_measured_on_the_sgd_dev_split(model, tokenizer):
 @pytest.mark.slow
 def test_greedy_replies_to_50_dev_prompts_are_varied(model, tokenizer):
     """Distinct-2 of greedy continuations of the build script's 50 dev prompts (batched), as for the tiny Llama."""
-    import random
-
-    import torch
-
-    from mtp_train.tools.tiny_target import distinct_n, read_sgd
-
-    prompts = [d[:1] for d in random.Random(QUALITY["seed"]).sample(read_sgd("dev"), 50)]
-    side, tokenizer.padding_side = tokenizer.padding_side, "left"  # the prompts end where generation starts
-    try:
-        batch = tokenizer.apply_chat_template(prompts, add_generation_prompt=True, return_tensors="pt",
-                                              return_dict=True, padding=True)
-    finally:
-        tokenizer.padding_side = side
-    with torch.no_grad():
-        out = model.generate(**batch, do_sample=False, max_new_tokens=48, pad_token_id=tokenizer.pad_token_id)
-    pad, start = tokenizer.pad_token_id, batch["input_ids"].shape[1]
-    replies = [[t for t in row if t != pad] for row in out[:, start:].tolist()]  # padded after each reply's end
-    assert distinct_n(replies, 2) >= 0.15
+    assert greedy_distinct2(model, tokenizer, QUALITY["seed"]) >= 0.15
 
 
 def test_greedy_output_through_transformers_equals_the_stored_expectation(model, tokenizer):

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import TINY_TARGET, hf_model, hf_tokenizer
+from conftest import TINY_TARGET, greedy_distinct2, hf_model, hf_tokenizer
 
 QUALITY = json.loads((TINY_TARGET / "quality.json").read_text())
 
@@ -58,30 +58,14 @@ def test_chat_template_masks_exactly_the_assistant_turns(tokenizer):
 def test_quality_bar_measured_on_the_sgd_dev_split(model, tokenizer):
     """Measured here with the training script's own functions: the next-token loss on the first 32 windows of 256
     tokens of the dev split, and distinct-2 of greedy continuations of the script's 50 dev prompts (batched)."""
-    import random
-
-    import torch
-
-    from mtp_train.tools.tiny_target import dev_loss, distinct_n, encode_dialogues, pack, read_sgd
+    from mtp_train.tools.tiny_target import dev_loss, encode_dialogues, pack, read_sgd
 
     dev = read_sgd("dev")
     windows = pack(encode_dialogues(tokenizer, dev[:60]), 256)[:32]
     assert windows.shape[0] == 32
     assert dev_loss(model, windows, batch_size=32) <= 2.4
     model.eval()  # dev_loss leaves the model in train mode
-
-    prompts = [d[:1] for d in random.Random(QUALITY["seed"]).sample(dev, 50)]
-    side, tokenizer.padding_side = tokenizer.padding_side, "left"  # the prompts end where generation starts
-    try:
-        batch = tokenizer.apply_chat_template(prompts, add_generation_prompt=True, return_tensors="pt",
-                                              return_dict=True, padding=True)
-    finally:
-        tokenizer.padding_side = side
-    with torch.no_grad():
-        out = model.generate(**batch, do_sample=False, max_new_tokens=48, pad_token_id=tokenizer.pad_token_id)
-    pad, start = tokenizer.pad_token_id, batch["input_ids"].shape[1]
-    replies = [[t for t in row if t != pad] for row in out[:, start:].tolist()]  # padded after each reply's end
-    assert distinct_n(replies, 2) >= 0.15
+    assert greedy_distinct2(model, tokenizer, QUALITY["seed"]) >= 0.15
 
 
 def test_greedy_output_equals_the_stored_expectation(model, tokenizer):

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import gc
 import os
 import shutil
 import threading
-import time
 
 import pytest
 import torch
@@ -84,33 +82,30 @@ def test_every_token_counts_when_asked(features):
 
 
 def test_cold_page_cache_and_plain_reads_give_the_same_batches(features, monkeypatch):
+    """Ranges the page cache misses, wholly or in part, are announced and then read with blocking reads; the batches
+    are those of the plain reads. The misses are injected: the non-blocking read returns nothing, or only the
+    first half of what it was asked."""
     import mtp_train.features.reader as reader_module
 
     root = features[0]
-    mapped = reader_module.FeatureReader(root)
-    refs = mapped.sequences
-    want = pack_per_sequence(mapped, refs, 300, torch.float32)
-    del mapped  # unmaps the shards: pages a live mapping holds cannot be dropped from the page cache
-    gc.collect()
     reader = reader_module.FeatureReader(root)
-    load_batch(reader, refs, 300, torch.float32)  # opens every shard (its header read caches small files whole)
+    refs = reader.sequences
+    want = pack_per_sequence(reader, refs, 300, torch.float32)
+    read_cached, read_into = reader_module._read_cached, reader_module.ShardFile.read_into
     blocking = []
-    read_into = reader_module.ShardFile.read_into
     monkeypatch.setattr(reader_module.ShardFile, "read_into", lambda f, *a: blocking.append(a) or read_into(f, *a))
-    for attempt in range(8):  # DONTNEED is advice: pages the kernel holds at that moment (isolated from the LRU by
-        time.sleep(0.25 * attempt)  # reclaim or DAMON, which runs on this machine) stay, so a later try may drop them
-        for shard in root.glob("*.safetensors"):
-            fd = os.open(shard, os.O_RDONLY)
-            os.fsync(fd)  # dirty pages (writeback lagging on a busy machine) are not dropped by DONTNEED
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
+    misses = {"cold": lambda fd, view, offset: 0,
+              "half cached": lambda fd, view, offset: read_cached(fd, view[: len(view) // 2], offset)}
+    for name, miss in misses.items():
+        blocking.clear()
+        monkeypatch.setattr(reader_module, "_read_cached", miss)
         assert_identical(load_batch(reader, refs, 300, torch.float32), want)
-        if blocking:
-            break
-    assert blocking  # page-cache misses went through the announce-then-read path
+        assert blocking, name  # the misses went through the announce-then-read path
     monkeypatch.setattr(reader_module, "_NOWAIT", None)  # platforms without RWF_NOWAIT / posix_fadvise
     monkeypatch.setattr(reader_module, "_WILLNEED", None)
+    blocking.clear()
     assert_identical(load_batch(reader_module.FeatureReader(root), refs, 300, torch.float32), want)
+    assert blocking
 
 
 def test_prefetch_thread_and_validation_can_load_at_once(features):

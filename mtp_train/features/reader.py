@@ -163,10 +163,7 @@ class FeatureReader:
         if _NOWAIT is not None:  # first take what the page cache holds, without waiting for the disk
             missed = []
             for fd, offset, size, f, view, at in jobs:
-                try:
-                    got = os.preadv(fd, [view[at : at + size]], offset, _NOWAIT)
-                except OSError:  # EAGAIN, or a file system without RWF_NOWAIT: the blocking read below decides
-                    got = 0
+                got = _read_cached(fd, view[at : at + size], offset)
                 if got < size:
                     missed.append((fd, offset + got, size - got, f, view, at + got))
         if _WILLNEED is not None:  # queue every missing range at once, so the disk sees them together
@@ -177,6 +174,15 @@ class FeatureReader:
 
 
 _WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
+
+
+def _read_cached(fd: int, view: memoryview, offset: int) -> int:
+    """Read into ``view`` from ``offset`` what the page cache holds, without waiting for the disk; the bytes read
+    (0 on EAGAIN, or on a file system without ``RWF_NOWAIT``: the blocking read after it decides)."""
+    try:
+        return os.preadv(fd, [view], offset, _NOWAIT)
+    except OSError:
+        return 0
 
 
 def _read_whole(f: ShardFile) -> None:
