@@ -301,7 +301,7 @@ def _format_error(source: str, err: ValidationError) -> str:
         where = ".".join(str(p) for p in e["loc"]) or "(top level)"
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            msg = "unknown key; check its spelling against the recipe reference in README.md"
+            msg = "unknown key; check its spelling against the recipe reference in docs/recipes.md"
         elif e["type"] == "missing":
             msg = "required field is missing"
         elif "input" in e and not isinstance(e["input"], (dict, list)):

@@ -1,7 +1,7 @@
 """Print the recipe reference (every field, its type, default and meaning) as Markdown.
 
-It is rendered from the schema's JSON schema. The README's "Recipe reference" section is
-this output, and a test keeps the two equal::
+It is rendered from the schema's JSON schema. The "Recipe reference" section of ``docs/recipes.md`` (between the
+``recipe-reference`` markers) is this output, and ``tests/test_readme.py`` keeps the two equal::
 
     .venv/bin/python -m mtp_train.tools.recipe_reference
 """
