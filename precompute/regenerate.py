@@ -21,6 +21,7 @@ import itertools
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,9 @@ from mtp_train.runtime.sampling import SamplingParams
 from mtp_train.runtime.sequence import Status
 from mtp_train.data.dataset import Row
 from mtp_train.io import crash_point
+
+
+SAVE_ROWS = 64
 
 
 def regenerated_path(features: Path, rank: int) -> Path:
@@ -78,31 +82,50 @@ def _append(path: Path, lines: list[str], header: str | None) -> None:
         os.fsync(f.fileno())
 
 
+@dataclass(frozen=True)
+class AnswerFile:
+    """Where ``regenerate`` keeps its answers to reuse them (module docstring): ``path``, reused only when its header
+    carries ``fingerprint``; finished rows are appended ``save_rows`` at a time. Under tensor parallelism every rank
+    reads it, and only the leader (``write``) writes it and prints."""
+
+    path: Path
+    fingerprint: str
+    save_rows: int = SAVE_ROWS
+    write: bool = True
+
+    def read(self) -> dict[int, list[dict[str, str]]]:
+        return _read_done(self.path, self.fingerprint, self.write)
+
+    def append(self, rows: list[Row]) -> None:
+        header = json.dumps({"fingerprint": self.fingerprint}) if not self.path.is_file() else None
+        _append(self.path, [json.dumps({"row_id": r.row_id, "messages": r.content}) for r in rows], header)
+
+
 def _prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                          return_dict=True)["input_ids"]
 
 
-def regenerate(rows: list[Row], tokenizer: Any, engine: Engine, sampling: SamplingConfig, path: Path | None = None,
-               fingerprint: str = "", max_length: int | None = None, save_rows: int = 64, write: bool = True,
-               every: float | None = None) -> list[Row]:
+def regenerate(rows: list[Row], tokenizer: Any, engine: Engine, sampling: SamplingConfig,
+               max_length: int | None = None, file: AnswerFile | None = None, every: float | None = None) -> list[Row]:
     """``rows`` with every chat's assistant turns replaced by the target's answers.
 
     A conversation whose next turn's prompt already holds ``max_length`` tokens (precompute would truncate
     that turn away) ends after its last regenerated answer, so nothing is generated only to be cut off.
 
-    With ``path``, answers are kept there and reused (module docstring); finished rows are appended
-    ``save_rows`` at a time. Progress (rows, answers, tokens, tokens/s, ETA in rows) is shown on a terminal or
-    printed every ``every`` seconds (``mtp_train.progress``).
-    Under tensor parallelism every rank reads ``path`` and generates alike, and only the leader writes and
-    prints (``write``).
+    With ``file``, answers are kept there and reused (``AnswerFile``). Progress (rows, answers, tokens, tokens/s,
+    ETA in rows) is shown on a terminal or printed every ``every`` seconds (``mtp_train.progress``).
+    Under tensor parallelism every rank reads the file and generates alike, and only the leader writes and prints
+    (``AnswerFile.write``).
     """
-    done = _read_done(path, fingerprint, write) if path is not None else {}
+    write = file is None or file.write
+    save_rows = file.save_rows if file is not None else SAVE_ROWS
+    done = file.read() if file is not None else {}
     chats = [Row(r.row_id, [dict(m) for m in r.content]) for r in rows
              if not isinstance(r.content, str) and r.row_id not in done]
     total = len(done) + len(chats)
-    if path is not None and done and write:
-        print(f"regenerate: {path.name} already holds {len(done)} of {total} rows; continuing", file=sys.stderr)
+    if file is not None and done and write:
+        print(f"regenerate: {file.path.name} already holds {len(done)} of {total} rows; continuing", file=sys.stderr)
     stop = set(engine.stop_ids)
     turns = {r.row_id: [i for i, m in enumerate(r.content) if m["role"] == "assistant"] for r in chats}
     scheduler, _ = engine.start([], [])
@@ -127,9 +150,8 @@ def regenerate(rows: list[Row], tokenizer: Any, engine: Engine, sampling: Sampli
 
     def save() -> None:
         nonlocal finished, saves
-        if path is not None and write and finished:
-            header = json.dumps({"fingerprint": fingerprint}) if not path.is_file() else None
-            _append(path, [json.dumps({"row_id": r.row_id, "messages": r.content}) for r in finished], header)
+        if file is not None and write and finished:
+            file.append(finished)
             crash_point("regenerate", saves)
             saves += 1
         done.update((r.row_id, r.content) for r in finished)

@@ -15,41 +15,95 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mtp_train.errors import UserError
 from mtp_train.hf_checkpoint import find_checkpoint
-from mtp_train.io import crash_point, group_by_tokens
 from mtp_train.models.config import ModelConfig
-from mtp_train.progress import Progress
 from mtp_train.recipe import Recipe
 from mtp_train.threads import set_threads, warn_if_oversubscribed
-from mtp_train.data.dataset import Row, encode_many, heldout_ids, load_rows, rank_slice
+from mtp_train.data.dataset import LoadedData, Row, encode_many, heldout_ids, load_rows, rank_slice
 from mtp_train.features.layers import eagle3_layers, stored_layers
 from mtp_train.features.manifest import (
     MERGED,
     Manifest,
-    ShardEntry,
     data_fingerprint,
     load_manifest,
     rank_manifest_name,
     save_manifest,
-    shard_name,
     target_fingerprint,
     text_fingerprint,
     tokenizer_fingerprint,
-    union,
 )
+from mtp_train.precompute.directory import merge_manifests, prepare_directory
 from mtp_train.precompute.preflight import check_data_files, check_rows, mask_counts
+from mtp_train.precompute.shards import Encoded, ShardPlan, plan_shards, write_shards
 from mtp_train.data.tokenizer import load_tokenizer
-from mtp_train.features.writer import ShardWriter
+
+if TYPE_CHECKING:
+    from mtp_train.models.tp import TensorParallel
+    from mtp_train.runtime.engine import Engine
 
 
 @dataclass(frozen=True)
 class Worker:
     rank: int
     world: int
+
+
+@dataclass(frozen=True)
+class Job:
+    """What one worker precomputes: the recipe, the worker, and the fingerprint its features must carry."""
+
+    recipe: Recipe
+    worker: Worker
+    tokenizer: Any
+    cfg: ModelConfig
+    settings: dict
+    fingerprint: dict[str, str]
+
+    @property
+    def out(self) -> Path:
+        return self.recipe.features_dir
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.out / rank_manifest_name(self.worker.rank)
+
+
+def run_precompute(
+    recipe: Recipe, rank: int | None = None, world: int | None = None, overwrite: bool = False
+) -> Manifest:
+    """This worker's features, written and recorded in its manifest (or the merged manifest, when it is complete
+    and matches the recipe already)."""
+    from mtp_train.runtime.device import default_device
+    from mtp_train.models.tp import init_tensor_parallel
+
+    start = time.perf_counter()
+    set_threads(recipe.threads)
+    job = describe_job(recipe, resolve_worker(rank, world, recipe.target.tp))
+    merged = None if overwrite else complete_features(job)
+    if merged is not None:
+        return merged
+    device = default_device()
+    tp = init_tensor_parallel(recipe.target.tp, device)
+    old = resume_point(job, tp, overwrite)
+    data, mine = load_data(job)
+    engine = load_engine(recipe, device, tp)
+    rows = rows_to_score(job, data, mine, engine, tp)
+    encoded = encode_many(job.tokenizer, [r.content for r in rows], recipe.data.max_length, [r.row_id for r in rows])
+    by_file = mask_counts(data, rows, encoded)
+    manifest = old or new_manifest(job, engine, data, mine, encoded)
+    plan = plan_shards(rows, encoded, recipe.precompute.shard_tokens, manifest, job.out)
+    if tp.is_leader and len(manifest.shards) < len(plan) and (job.out / MERGED).is_file():
+        (job.out / MERGED).unlink()  # stale until every rank is complete again
+    report_plan(job, plan, manifest, by_file)
+    if not recipe.data.regenerate:
+        warn_if_oversubscribed("precompute", tp.is_leader)
+    write_shards(plan, manifest, engine, job.out, job.worker.rank, write=tp.is_leader)
+    return finish(job, manifest, start) if tp.is_leader else manifest
 
 
 def resolve_worker(rank: int | None, world: int | None, tp: int) -> Worker:
@@ -82,87 +136,9 @@ def recipe_settings(recipe: Recipe, world: int, cfg: ModelConfig) -> dict:
     }
 
 
-def _mismatch(old: Manifest, fingerprint: dict[str, str], settings: dict) -> str | None:
-    for key, value in fingerprint.items():
-        if old.fingerprint.get(key) != value:
-            if key == "settings":
-                fields = sorted(k for k in settings if old.settings.get(k) != settings.get(k))
-                return "recipe field(s) " + ", ".join(fields)
-            return {"target": "target weights or config", "data": "dataset files"}.get(key, key)
-    return None
-
-
-def prepare_directory(out: Path, rank: int, fingerprint: dict[str, str], settings: dict, overwrite: bool
-                      ) -> Manifest | None:
-    """Clean this rank's leftovers and return its manifest to resume from, if any."""
-    out.mkdir(parents=True, exist_ok=True)
-    prefix = f"shard-{rank:05d}-"
-    for tmp in out.glob(f".{prefix}*.tmp"):
-        tmp.unlink()
-    path = out / rank_manifest_name(rank)
-    try:
-        old = load_manifest(path) if path.is_file() else None
-    except UserError:  # another features format
-        if not overwrite:
-            raise
-        old = None
-    if old is not None:
-        why = _mismatch(old, fingerprint, settings)
-        if why and not overwrite:
-            raise UserError(f"{path}: existing features were made with different {why}; rerun with --overwrite")
-        if why:
-            old = None
-    keep = {s.file for s in old.shards} if old else set()
-    for shard in out.glob(f"{prefix}*.safetensors"):
-        if shard.name not in keep:  # written, but the manifest never recorded it
-            shard.unlink()
-    if old is None and path.is_file():
-        path.unlink()
-    return old
-
-
-def merge_manifests(out: Path, world: int) -> Manifest | None:
-    """Write ``manifest.json`` as the union of every rank's manifest, once all of them are complete."""
-    parts = []
-    for r in range(world):
-        path = out / rank_manifest_name(r)
-        if not path.is_file():
-            return None
-        part = load_manifest(path)
-        if not part.complete:
-            return None
-        parts.append((path, part))
-    merged = union(parts)
-    save_manifest(out / MERGED, merged)
-    return merged
-
-
-def _shard_tensors(scored, rows: list[tuple[list[int], list[int]]], topk: int) -> dict[str, torch.Tensor]:
-    tensors = {
-        "input_ids": torch.tensor([t for ids, _ in rows for t in ids], dtype=torch.int32),
-        "loss_mask": torch.tensor([m for _, mask in rows for m in mask], dtype=torch.uint8),
-        "cu_seqlens": scored.cu_seqlens.to(torch.int64),
-        "hidden": scored.hidden.to(torch.bfloat16).cpu().contiguous(),
-        "logsumexp": scored.logsumexp.float().cpu().contiguous(),
-    }
-    if topk:
-        tensors["topk_logprobs"] = scored.topk_logprobs.to(torch.bfloat16).cpu().contiguous()
-        tensors["topk_ids"] = scored.topk_ids.to(torch.int32).cpu().contiguous()
-        tensors["tail_logprob"] = scored.tail_logprob.float().cpu().contiguous()
-    return tensors
-
-
-def run_precompute(
-    recipe: Recipe, rank: int | None = None, world: int | None = None, overwrite: bool = False
-) -> Manifest:
-    from mtp_train.runtime.device import default_device, resolve_dtype
-    from mtp_train.runtime.engine import Engine
-    from mtp_train.models.tp import init_tensor_parallel
-
-    start = time.perf_counter()
-    set_threads(recipe.threads)
-    worker = resolve_worker(rank, world, recipe.target.tp)
-    out, target = recipe.features_dir, recipe.target.path
+def describe_job(recipe: Recipe, worker: Worker) -> Job:
+    """The tokenizer, the target's config, and the fingerprint of everything the features depend on."""
+    target = recipe.target.path
     tokenizer = load_tokenizer(recipe)
     cfg = ModelConfig.from_hf(find_checkpoint(target).config, str(target / "config.json"))
     settings = recipe_settings(recipe, worker.world, cfg)
@@ -174,105 +150,105 @@ def run_precompute(
         "data": data_fingerprint(recipe.data.train),
         "settings": text_fingerprint(json.dumps(settings, sort_keys=True)),
     }
-    if not overwrite and (out / MERGED).is_file():
-        merged = load_manifest(out / MERGED)
-        if merged.complete and merged.fingerprint == fingerprint:
-            print(f"precompute: {out / MERGED} is complete and matches the recipe; skipped", file=sys.stderr)
-            return merged
-    device = default_device()
-    tp = init_tensor_parallel(recipe.target.tp, device)
-    # Under TP every rank runs the same forwards, but only the leader touches the directory.
-    old = prepare_directory(out, worker.rank, fingerprint, settings, overwrite) if tp.is_leader else None
+    return Job(recipe, worker, tokenizer, cfg, settings, fingerprint)
+
+
+def complete_features(job: Job) -> Manifest | None:
+    """The merged manifest, when it is complete and matches the recipe: nothing is left to do."""
+    if not (job.out / MERGED).is_file():
+        return None
+    merged = load_manifest(job.out / MERGED)
+    if merged.complete and merged.fingerprint == job.fingerprint:
+        print(f"precompute: {job.out / MERGED} is complete and matches the recipe; skipped", file=sys.stderr)
+        return merged
+    return None
+
+
+def resume_point(job: Job, tp: TensorParallel, overwrite: bool) -> Manifest | None:
+    """Prepare the directory and return this rank's manifest to continue from, if any.
+
+    Under TP every rank runs the same forwards, but only the leader touches the directory."""
+    old = None
+    if tp.is_leader:
+        old = prepare_directory(job.out, job.worker.rank, job.fingerprint, job.settings, overwrite)
     if tp.size > 1:
         torch.distributed.barrier()
-        manifest_file = out / rank_manifest_name(worker.rank)
-        if not tp.is_leader and manifest_file.is_file():
-            old = load_manifest(manifest_file)
-    data = load_rows(recipe.data.train, recipe.data.format, recipe.data.skip_bad_rows, recipe.data.max_rows)
-    check_rows(data, tokenizer, str(target))
-    all_ids = [r.row_id for r in data.rows]
-    mine = rank_slice(all_ids, worker.rank, worker.world)
+        if not tp.is_leader and job.manifest_path.is_file():
+            old = load_manifest(job.manifest_path)
+    return old
 
-    engine = Engine.for_target(recipe.target, resolve_dtype(recipe.target.dtype, device), device, tp,
-                               max_batch_tokens=recipe.precompute.batch_tokens)
+
+def load_data(job: Job) -> tuple[LoadedData, list[int]]:
+    """The dataset, checked, and the ids of the rows this worker owns."""
+    d = job.recipe.data
+    data = load_rows(d.train, d.format, d.skip_bad_rows, d.max_rows)
+    check_rows(data, job.tokenizer, str(job.recipe.target.path))
+    return data, rank_slice([r.row_id for r in data.rows], job.worker.rank, job.worker.world)
+
+
+def load_engine(recipe: Recipe, device: torch.device, tp: TensorParallel) -> Engine:
+    from mtp_train.runtime.device import resolve_dtype
+    from mtp_train.runtime.engine import Engine
+
+    return Engine.for_target(recipe.target, resolve_dtype(recipe.target.dtype, device), device, tp,
+                             max_batch_tokens=recipe.precompute.batch_tokens)
+
+
+def rows_to_score(job: Job, data: LoadedData, mine: list[int], engine: Engine, tp: TensorParallel) -> list[Row]:
+    """This worker's rows; with ``data.regenerate``, their assistant turns answered by the target."""
     by_id = {r.row_id: r for r in data.rows}
-    rows: list[Row] = [by_id[i] for i in mine]
-    if recipe.data.regenerate:
-        from mtp_train.precompute.regenerate import regenerate, regenerated_path
+    rows = [by_id[i] for i in mine]
+    d = job.recipe.data
+    if not d.regenerate:
+        return rows
+    from mtp_train.precompute.regenerate import AnswerFile, regenerate, regenerated_path
 
-        source = {k: fingerprint[k] for k in ("target", "tokenizer", "chat_template", "data")}
-        regen_key = text_fingerprint(json.dumps({**source, "sampling": recipe.data.sampling.model_dump(),
-                                                 "max_length": recipe.data.max_length}, sort_keys=True))
-        warn_if_oversubscribed("precompute", tp.is_leader)  # before the long regeneration
-        rows = regenerate(rows, tokenizer, engine, recipe.data.sampling, regenerated_path(out, worker.rank),
-                          regen_key, recipe.data.max_length, write=tp.is_leader)
-    encoded = encode_many(tokenizer, [r.content for r in rows], recipe.data.max_length, [r.row_id for r in rows])
-    by_file = mask_counts(data, rows, encoded)
-    masked, total = (sum(c[i] for c in by_file.values()) for i in (0, 1))
+    source = {k: job.fingerprint[k] for k in ("target", "tokenizer", "chat_template", "data")}
+    regen_key = text_fingerprint(json.dumps({**source, "sampling": d.sampling.model_dump(),
+                                             "max_length": d.max_length}, sort_keys=True))
+    warn_if_oversubscribed("precompute", tp.is_leader)  # before the long regeneration
+    answers = AnswerFile(regenerated_path(job.out, job.worker.rank), regen_key, write=tp.is_leader)
+    return regenerate(rows, job.tokenizer, engine, d.sampling, max_length=d.max_length, file=answers)
 
-    manifest = old or Manifest(
-        ranks=[worker.rank], world_size=worker.world, fingerprint=fingerprint, settings=settings,
-        layers=stored_layers(recipe, cfg), hidden_size=engine.cfg.hidden_size,
+
+def new_manifest(job: Job, engine: Engine, data: LoadedData, mine: list[int], encoded: list[Encoded]) -> Manifest:
+    """The manifest of a rank that has written no shard yet."""
+    recipe = job.recipe
+    return Manifest(
+        ranks=[job.worker.rank], world_size=job.worker.world, fingerprint=job.fingerprint, settings=job.settings,
+        layers=stored_layers(recipe, job.cfg), hidden_size=engine.cfg.hidden_size,
         topk=recipe.precompute.topk, regenerated=recipe.data.regenerate,
         sampling=recipe.data.sampling.model_dump() if recipe.data.regenerate else None,
-        row_ids=mine, heldout_row_ids=sorted(heldout_ids_from(all_ids, recipe)),
+        row_ids=mine, heldout_row_ids=sorted(heldout_ids_from([r.row_id for r in data.rows], recipe)),
         skipped_rows=[{"file": f, "index": i, "why": w} for f, i, w in data.bad_rows],
         truncated_rows=sum(t for _, _, t in encoded),
     )
-    plan = group_by_tokens([len(ids) for ids, _, _ in encoded], recipe.precompute.shard_tokens)
-    done = len(manifest.shards)
-    for s, entry in enumerate(manifest.shards):
-        if s >= len(plan) or entry.row_ids != [rows[i].row_id for i in plan[s]]:
-            raise UserError(f"{out / entry.file}: holds rows that no longer match the plan; rerun with --overwrite")
-    if tp.is_leader and done < len(plan) and (out / MERGED).is_file():
-        (out / MERGED).unlink()  # stale until every rank is complete again
-    manifest_path = out / rank_manifest_name(worker.rank)
-
-    def record(index: int, path: Path, sha: str, size: int) -> None:
-        ids = [rows[i].row_id for i in plan[index]]
-        tokens = sum(len(encoded[i][0]) for i in plan[index])
-        manifest.shards.append(ShardEntry(file=path.name, num_seqs=len(ids), num_tokens=tokens, row_ids=ids,
-                                          sha256=sha, bytes=size))
-        save_manifest(manifest_path, manifest)
-
-    print(f"precompute: rank {worker.rank}/{worker.world}, {len(rows)} rows, {total:,} tokens "
-          f"({masked / total:.1%} masked in, {manifest.truncated_rows} truncated to {recipe.data.max_length}), "
-          f"{len(plan)} shards, {done} already done", file=sys.stderr)
-    for path, (file_masked, file_total) in by_file.items():
-        print(f"precompute: {path}: {file_masked / file_total:.1%} of its tokens masked in", file=sys.stderr)
-    if not recipe.data.regenerate:
-        warn_if_oversubscribed("precompute", tp.is_leader)
-    writer = ShardWriter(record) if tp.is_leader else None
-    stored = sum(len(encoded[i][0]) for shard in plan[:done] for i in shard)  # tokens of the shards already written
-    progress = Progress("precompute", total, "tokens", initial=stored, enabled=tp.is_leader)
-    try:
-        for index in range(done, len(plan)):
-            crash_point("forward", index)
-            seqs = [(encoded[i][0], encoded[i][1]) for i in plan[index]]
-            progress.note = f"shard {index + 1}/{len(plan)}"
-            scored = engine.score([ids for ids, _ in seqs], layers=manifest.layers,
-                                  topk=recipe.precompute.topk, on_batch=lambda n: progress.update(n, tokens=n))
-            if writer is not None:
-                meta = {"format_version": "1", "rank": str(worker.rank),
-                        "row_ids": json.dumps([rows[i].row_id for i in plan[index]])}
-                writer.submit(index, out / shard_name(worker.rank, index), _shard_tensors(scored, seqs, manifest.topk),
-                              meta)
-    finally:
-        progress.close()
-        if writer is not None:
-            writer.close()
-    if not tp.is_leader:
-        return manifest
-    manifest.complete = True
-    save_manifest(manifest_path, manifest)
-    merged = merge_manifests(out, worker.world)
-    totals = manifest.totals()
-    print(f"precompute: rank {worker.rank} wrote {totals['tokens']:,} tokens in {len(manifest.shards)} shards, "
-          f"{totals['bytes_per_token']} bytes/token, {time.perf_counter() - start:.0f}s"
-          + (f"; {out / MERGED} covers all {worker.world} rank(s)" if merged else "; waiting for other ranks"))
-    return manifest
 
 
 def heldout_ids_from(all_ids: list[int], recipe: Recipe) -> set[int]:
     picks = heldout_ids(len(all_ids), recipe.data.heldout_rows, recipe.seed)
     return {all_ids[i] for i in picks}
+
+
+def report_plan(job: Job, plan: ShardPlan, manifest: Manifest, by_file: dict[str, list[int]]) -> None:
+    """What this rank will score, and how much of each data file's tokens are masked in."""
+    masked, total = (sum(c[i] for c in by_file.values()) for i in (0, 1))
+    w = job.worker
+    print(f"precompute: rank {w.rank}/{w.world}, {len(plan.rows)} rows, {total:,} tokens "
+          f"({masked / total:.1%} masked in, {manifest.truncated_rows} truncated to {job.recipe.data.max_length}), "
+          f"{len(plan)} shards, {len(manifest.shards)} already done", file=sys.stderr)
+    for path, (file_masked, file_total) in by_file.items():
+        print(f"precompute: {path}: {file_masked / file_total:.1%} of its tokens masked in", file=sys.stderr)
+
+
+def finish(job: Job, manifest: Manifest, start: float) -> Manifest:
+    """Mark this rank complete, and merge the manifests once every rank is."""
+    manifest.complete = True
+    save_manifest(job.manifest_path, manifest)
+    out, world = job.out, job.worker.world
+    merged = merge_manifests(out, world)
+    totals = manifest.totals()
+    print(f"precompute: rank {job.worker.rank} wrote {totals['tokens']:,} tokens in {len(manifest.shards)} shards, "
+          f"{totals['bytes_per_token']} bytes/token, {time.perf_counter() - start:.0f}s"
+          + (f"; {out / MERGED} covers all {world} rank(s)" if merged else "; waiting for other ranks"))
+    return manifest

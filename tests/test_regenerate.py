@@ -10,7 +10,7 @@ import pytest
 from conftest import TINY_TARGET
 from mtp_train.recipe import SamplingConfig
 from mtp_train.data.dataset import Row
-from mtp_train.precompute.regenerate import regenerate
+from mtp_train.precompute.regenerate import AnswerFile, regenerate
 from precompute_helpers import sgd_rows
 
 
@@ -34,7 +34,7 @@ def test_a_killed_regeneration_resumes_without_losing_or_redoing_rows(parts, tmp
     assert all(a.content != b.content for a, b in zip(fresh, rows)), "every row's answers are the target's"
 
     path = tmp_path / "regenerated.rank-00000.jsonl"
-    regenerate(rows[:4], tokenizer, engine, SAMPLING, path, "fp", save_rows=2)
+    regenerate(rows[:4], tokenizer, engine, SAMPLING, file=AnswerFile(path, "fp", save_rows=2))
     lines = path.read_text().splitlines()
     assert json.loads(lines[0]) == {"fingerprint": "fp"} and len(lines) == 5
     # A kill in the middle of writing the second chunk: its last line is torn.
@@ -45,7 +45,7 @@ def test_a_killed_regeneration_resumes_without_losing_or_redoing_rows(parts, tmp
     submit = engine.submit
     engine.submit = lambda *args: calls.append(args[1]) or submit(*args)
     try:
-        resumed = regenerate(rows, tokenizer, engine, SAMPLING, path, "fp", save_rows=2)
+        resumed = regenerate(rows, tokenizer, engine, SAMPLING, file=AnswerFile(path, "fp", save_rows=2))
     finally:
         del engine.submit
     err = capsys.readouterr().err
@@ -60,8 +60,9 @@ def test_a_killed_regeneration_resumes_without_losing_or_redoing_rows(parts, tmp
 def test_another_fingerprint_starts_afresh(parts, tmp_path):
     rows, tokenizer, engine = parts
     path = tmp_path / "regenerated.rank-00000.jsonl"
-    regenerate(rows[:2], tokenizer, engine, SAMPLING, path, "old")
-    again = regenerate(rows[:2], tokenizer, engine, SAMPLING.model_copy(update={"seed": 4}), path, "new")
+    regenerate(rows[:2], tokenizer, engine, SAMPLING, file=AnswerFile(path, "old"))
+    again = regenerate(rows[:2], tokenizer, engine, SAMPLING.model_copy(update={"seed": 4}),
+                       file=AnswerFile(path, "new"))
     lines = path.read_text().splitlines()
     assert json.loads(lines[0]) == {"fingerprint": "new"} and len(lines) == 3
     assert [json.loads(x)["messages"] for x in lines[1:]] == [r.content for r in again]

@@ -1,0 +1,105 @@
+"""A worker's shards: its encoded rows cut, in order, into shards of about ``precompute.shard_tokens`` tokens; each
+shard is one ``Engine.score()`` call and one safetensors file, recorded in the rank's manifest once it is on disk."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from mtp_train.errors import UserError
+from mtp_train.io import crash_point, group_by_tokens
+from mtp_train.progress import Progress
+from mtp_train.data.dataset import Row
+from mtp_train.features.manifest import Manifest, ShardEntry, rank_manifest_name, save_manifest, shard_name
+from mtp_train.features.writer import ShardWriter
+
+if TYPE_CHECKING:
+    from mtp_train.runtime.engine import Engine, ScoreOutput
+
+Encoded = tuple[list[int], list[int], bool]  # token ids, loss mask, truncated
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """``rows`` and their encodings, cut into ``shards`` (each a list of indices into ``rows``)."""
+
+    rows: list[Row]
+    encoded: list[Encoded]
+    shards: list[list[int]]
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(len(ids) for ids, _, _ in self.encoded)
+
+    def row_ids(self, index: int) -> list[int]:
+        return [self.rows[i].row_id for i in self.shards[index]]
+
+    def tokens(self, index: int) -> int:
+        return sum(len(self.encoded[i][0]) for i in self.shards[index])
+
+    def sequences(self, index: int) -> list[tuple[list[int], list[int]]]:
+        """Token ids and loss mask of each row of shard ``index``."""
+        return [(self.encoded[i][0], self.encoded[i][1]) for i in self.shards[index]]
+
+
+def plan_shards(rows: list[Row], encoded: list[Encoded], shard_tokens: int, manifest: Manifest, out: Path
+                ) -> ShardPlan:
+    """Cut the rows into shards; the shards ``manifest`` already records must be the plan's first ones."""
+    plan = ShardPlan(rows, encoded, group_by_tokens([len(ids) for ids, _, _ in encoded], shard_tokens))
+    for s, entry in enumerate(manifest.shards):
+        if s >= len(plan) or entry.row_ids != plan.row_ids(s):
+            raise UserError(f"{out / entry.file}: holds rows that no longer match the plan; rerun with --overwrite")
+    return plan
+
+
+def _shard_tensors(scored: ScoreOutput, rows: list[tuple[list[int], list[int]]], topk: int
+                   ) -> dict[str, torch.Tensor]:
+    tensors = {
+        "input_ids": torch.tensor([t for ids, _ in rows for t in ids], dtype=torch.int32),
+        "loss_mask": torch.tensor([m for _, mask in rows for m in mask], dtype=torch.uint8),
+        "cu_seqlens": scored.cu_seqlens.to(torch.int64),
+        "hidden": scored.hidden.to(torch.bfloat16).cpu().contiguous(),
+        "logsumexp": scored.logsumexp.float().cpu().contiguous(),
+    }
+    if topk:
+        tensors["topk_logprobs"] = scored.topk_logprobs.to(torch.bfloat16).cpu().contiguous()
+        tensors["topk_ids"] = scored.topk_ids.to(torch.int32).cpu().contiguous()
+        tensors["tail_logprob"] = scored.tail_logprob.float().cpu().contiguous()
+    return tensors
+
+
+def write_shards(plan: ShardPlan, manifest: Manifest, engine: Engine, out: Path, rank: int, write: bool) -> None:
+    """Score every shard of ``plan`` that rank ``rank``'s ``manifest`` does not record yet; with ``write`` (under
+    tensor parallelism, the leader only) write each one to ``out`` and record it in the manifest once on disk."""
+    manifest_path, done = out / rank_manifest_name(rank), len(manifest.shards)
+
+    def record(index: int, path: Path, sha: str, size: int) -> None:
+        ids = plan.row_ids(index)
+        manifest.shards.append(ShardEntry(file=path.name, num_seqs=len(ids), num_tokens=plan.tokens(index),
+                                          row_ids=ids, sha256=sha, bytes=size))
+        save_manifest(manifest_path, manifest)
+
+    writer = ShardWriter(record) if write else None
+    stored = sum(plan.tokens(s) for s in range(done))  # tokens of the shards already written
+    progress = Progress("precompute", plan.total_tokens, "tokens", initial=stored, enabled=write)
+    try:
+        for index in range(done, len(plan)):
+            crash_point("forward", index)
+            seqs = plan.sequences(index)
+            progress.note = f"shard {index + 1}/{len(plan)}"
+            scored = engine.score([ids for ids, _ in seqs], layers=manifest.layers, topk=manifest.topk,
+                                  on_batch=lambda n: progress.update(n, tokens=n))
+            if writer is not None:
+                meta = {"format_version": "1", "rank": str(rank), "row_ids": json.dumps(plan.row_ids(index))}
+                writer.submit(index, out / shard_name(rank, index), _shard_tensors(scored, seqs, manifest.topk), meta)
+    finally:
+        progress.close()
+        if writer is not None:
+            writer.close()
