@@ -10,7 +10,7 @@ eval's prompts (the recipe's prompt sets, rendered by its chat template, as toke
 
 - vLLM plain, and vLLM with the exported head at each k (``bench/vllm_serve.py``, one process per run, in
   .venv-vllm), its counters from ``llm.get_metrics()``;
-- this runtime, plain and speculative with the same head, counted as vLLM counts (:class:`eval.metrics.EngineCounts`).
+- this runtime, plain and speculative with the same head, counted as vLLM counts (:class:`mtp_train.eval.metrics.EngineCounts`).
 
 It prints a Markdown table: (a) vLLM's speculative output against vLLM's plain output, (b) vLLM's mean acceptance
 length ``1 + accepted / drafts`` against this runtime's, (c) the accepted counts per draft position; and this

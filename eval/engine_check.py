@@ -4,7 +4,7 @@ The engine runs the exported head at T = 0 on the eval's prompts (``bench/vllm_c
 the engine's speculative output equals its own plain output on every prompt, and its mean acceptance length
 (``1 + accepted / drafts``, vLLM's convention) and its acceptance rate at every draft position (accepted there /
 drafts) are each within ``tolerance`` (relative) of this runtime's, counted the same way for the same head,
-prompts, k and max tokens (:class:`eval.metrics.EngineCounts`).
+prompts, k and max tokens (:class:`mtp_train.eval.metrics.EngineCounts`).
 """
 
 from __future__ import annotations

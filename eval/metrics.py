@@ -200,26 +200,47 @@ def _prompt_set(trace: RequestTrace) -> str:
     return trace.prompt_id.split("/", 1)[0]
 
 
-def sweep_point(k: int, temperature: float, traces: list[RequestTrace], c: float, measured: float,
-                lossless: bool | None, *, v: float | None = None, cost: DraftCost | None = None,
-                greedy_violations: int | None = None, divergences: int | None = None) -> SweepPoint:
-    """The report's record of one speculative run at (k, temperature): its metrics overall and by group, the
-    terms of ``c`` and ``v`` (``cost``; no ``v``: the expected speedup takes 1) and, at T = 0, what the lossless
-    check found."""
+@dataclass(frozen=True)
+class PointTiming:
+    """What the timing of one sweep point found: the draft cost ratio ``c``, the verify cost ratio ``v`` (``None``:
+    not measured, and the expected speedup takes 1), the terms of both (``cost``) and the measured speedup
+    (plain wall time / speculative wall time)."""
+
+    c: float
+    measured_speedup: float
+    v: float | None = None
+    cost: DraftCost | None = None
+
+
+@dataclass(frozen=True)
+class LosslessVerdict:
+    """What the lossless check of one sweep point found; all ``None`` where it did not run (T > 0)."""
+
+    lossless: bool | None = None
+    greedy_violations: int | None = None
+    divergences: int | None = None
+
+
+def sweep_point(k: int, temperature: float, traces: list[RequestTrace], timing: PointTiming,
+                verdict: LosslessVerdict = LosslessVerdict()) -> SweepPoint:
+    """The report's record of one speculative run at (k, temperature): its metrics overall and by group, what
+    its timing found and, at T = 0, what the lossless check found."""
     tau = pooled_tau(traces)
     cond, uncond = alpha(traces, k)
     counts = engine_counts(traces, k)
+    c, v = timing.c, timing.v
     return SweepPoint(
         k=k, temperature=temperature, tau=round(tau, 4), alpha=[round(a, 4) for a in cond],
         alpha_unconditional=[round(a, 4) for a in uncond], draft_cost_ratio=round(c, 4),
         verify_cost_ratio=None if v is None else round(v, 4),
-        expected_speedup=round(expected_speedup(tau, k, c, v or 1.0), 4), measured_speedup=round(measured, 4),
-        distinct2=round(distinct2(t.output for t in traces), 4), lossless=lossless, num_prompts=len(traces),
+        expected_speedup=round(expected_speedup(tau, k, c, v or 1.0), 4),
+        measured_speedup=round(timing.measured_speedup, 4),
+        distinct2=round(distinct2(t.output for t in traces), 4), lossless=verdict.lossless, num_prompts=len(traces),
         num_steps=sum(len(t.accepted) for t in traces), generated_tokens=sum(len(t.output) for t in traces),
         by_category={name: _group(g, k) for name, g in group_by(traces, "category").items()},
         by_length={name: _group(g, k) for name, g in group_by(traces, "length_bucket").items()},
         by_prompt_set={name: _group(g, k) for name, g in group_by(traces, _prompt_set).items()},
-        cost=cost, greedy_violations=greedy_violations, divergences=divergences,
+        cost=timing.cost, greedy_violations=verdict.greedy_violations, divergences=verdict.divergences,
         engine_acceptance=None if counts is None else EngineAcceptance(
             mean_acceptance_length=round(counts.mean_acceptance_length, 4), drafts=counts.drafts,
             draft_tokens=counts.draft_tokens, accepted=counts.accepted,

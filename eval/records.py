@@ -45,7 +45,7 @@ class Divergence(BaseModel):
 
 
 class EngineAcceptance(BaseModel):
-    """Acceptance in vLLM's convention (:class:`eval.metrics.EngineCounts`), beside τ."""
+    """Acceptance in vLLM's convention (:class:`mtp_train.eval.metrics.EngineCounts`), beside τ."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -181,7 +181,7 @@ class Report(BaseModel):
     """Every T = 0 sweep point passed the lossless check; ``None`` (n/a) when none was at T = 0."""
     lossless_detail: str | None = None
     lossless_check: str | None = None
-    """How ``lossless`` was decided (:data:`eval.lossless.STRICT` or the near-tie check), ``None`` in old reports."""
+    """How ``lossless`` was decided (:data:`mtp_train.eval.lossless.STRICT` or the near-tie check), ``None`` in old reports."""
     near_tie_nats: float | None = None
     greedy_violations: int | None = None
     """Over every T = 0 sweep point of every draft."""
@@ -231,7 +231,7 @@ def _short(value: Any, limit: int = 60) -> str:
 
 
 def load_report(path: Path) -> Report:
-    """Read a report written by :func:`eval.render.write_report`; any problem is a one-line :class:`UserError`."""
+    """Read a report written by :func:`mtp_train.eval.render.write_report`; any problem is a one-line :class:`UserError`."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")

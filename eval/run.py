@@ -24,12 +24,12 @@ from typing import Any
 
 import torch
 
-from mtp_train.eval.assemble import assemble_report
+from mtp_train.eval.assemble import EvalContext, assemble_report
 from mtp_train.eval.lossless import LosslessCheck, check_lossless, check_name, summarize
-from mtp_train.eval.metrics import RequestTrace, sweep_point
+from mtp_train.eval.metrics import LosslessVerdict, PointTiming, RequestTrace, sweep_point
 from mtp_train.eval.prompts import EvalPrompt, load_prompt_set, render_prompt
 from mtp_train.eval.render import keep_previous, write_report
-from mtp_train.eval.report import FILES, Comparison, SweepPoint, load_report
+from mtp_train.eval.report import FILES, Comparison, Report, SweepPoint, load_report
 from mtp_train.eval.samples import pick_samples
 from mtp_train.eval.timing import plain_decode, step_costs, timed_generate, warm_up
 from mtp_train.errors import UserError
@@ -86,17 +86,13 @@ def run_eval(recipe: Recipe, baseline: Path | None = None) -> Path:
     baseline = _baseline(recipe, baseline)
     draft_id = _draft_id(recipe)
     key = _fingerprint(recipe, draft_id)
-    done, old = out / FILES["json"], None
-    if done.is_file():
-        try:
-            old = load_report(done)
-        except UserError:
-            pass
-        if old is not None and old.settings.get("fingerprint") == key:
-            print(f"eval: {out} is complete and matches the recipe; skipped", file=sys.stderr)
-            if baseline is not None:
-                write_report(old, out, baseline)
-            return out
+    done = out / FILES["json"]
+    old = _readable_report(done)
+    if old is not None and old.settings.get("fingerprint") == key:
+        print(f"eval: {out} is complete and matches the recipe; skipped", file=sys.stderr)
+        if baseline is not None:
+            write_report(old, out, baseline)
+        return out
     # Everything the eval reads is loaded (and checked) here, before the first decoding step.
     start = time.perf_counter()
     set_threads(recipe.threads)
@@ -111,35 +107,20 @@ def run_eval(recipe: Recipe, baseline: Path | None = None) -> Path:
         print(f"eval: {mode}, {len(prompts)} prompts from {', '.join(e.prompt_sets)}, k={e.k}, T={e.temperatures}, "
               f"batch {e.batch_size}", file=sys.stderr)
     warn_if_oversubscribed("eval", leader)
-    # Warm-up: the first forwards of a process pay one-off costs (allocations, kernel selection) that would
-    # otherwise be charged to the plain baseline alone and inflate every measured speedup.
-    # (Each draft gets its own warm-up before its sweep, in _sweep.)
-    warm = token_ids[: e.batch_size]
-    plain_decode(engine, warm, [SamplingParams(max_new_tokens=4)] * len(warm))
-    plain = {}
-    for temperature in e.temperatures:
-        params = [SamplingParams(temperature=temperature, max_new_tokens=e.max_new_tokens,
-                                 seed=recipe.seed * 1_000_003 + i) for i in range(len(prompts))]
-        progress = Progress(f"eval: plain T={temperature:g}", len(prompts), "prompts", enabled=leader)
-        plain[temperature] = (params, *plain_decode(engine, token_ids, params, lambda s: _advance(progress, s)))
-        progress.close()
+    plain = _plain_runs(recipe, engine, prompts, token_ids)
     checks: list[LosslessCheck] = []  # one per T = 0 sweep point of every draft
     replies: dict[tuple[int, float], list[list[int]]] = {}  # (k, T) -> the head's output tokens per prompt
     sweep = _sweep(engine, drafter, prompts, token_ids, plain, e.k, checks, replies)
-    comparisons = []
-    own = isinstance(drafter, HeadDrafter) and not drafter.own_vocab  # (an eagle3 head's vocabulary is its own)
-    vocab = drafter.vocab if own else draft_vocab(recipe, engine.cfg.vocab_size)
-    for name in e.compare:
-        other = _other_drafter(engine, name, others[name], vocab)
-        points = _sweep(engine, other, prompts, token_ids, plain, e.k, checks)
-        comparisons.append(Comparison(name=name, sweep=points))
+    comparisons = _comparisons(recipe, engine, drafter, others, prompts, token_ids, plain, checks)
     verdict = summarize(checks, check_name(engine))
     validation = head_validation() if head_validation else None  # collective: every rank scores
     if not leader:  # the leader alone holds the head's numbers and writes the report
         torch.distributed.barrier()
         return out
-    report = assemble_report(recipe, mode, sweep, verdict.pop("lossless"), verdict.pop("lossless_detail"),
-                             validation, key, skipped, len(prompts))
+    context = EvalContext(mode=mode, fingerprint=key, num_prompts=len(prompts), skipped=skipped,
+                          lossless=verdict.pop("lossless"), lossless_detail=verdict.pop("lossless_detail"),
+                          validation=validation)
+    report = assemble_report(recipe, sweep, context)
     report.comparisons = comparisons
     for name, value in verdict.items():
         setattr(report, name, value)
@@ -158,6 +139,16 @@ def run_eval(recipe: Recipe, baseline: Path | None = None) -> Path:
     if engine.tp.size > 1:
         torch.distributed.barrier()
     return out
+
+
+def _readable_report(path: Path) -> Report | None:
+    """The report at ``path``, or ``None`` when there is none or it cannot be read."""
+    if not path.is_file():
+        return None
+    try:
+        return load_report(path)
+    except UserError:
+        return None
 
 
 def rerender(recipe: Recipe, baseline: Path | None = None) -> Path:
@@ -311,6 +302,38 @@ def _target_mtp(recipe: Recipe, engine: Engine):
 
 # -- decoding ----------------------------------------------------------------------------------------------
 
+def _plain_runs(recipe: Recipe, engine: Engine, prompts: list[EvalPrompt], token_ids: list[list[int]]) -> dict:
+    """Plain decoding of every prompt at each temperature: ``{T: (params, results, timing)}``, after a warm-up."""
+    e = recipe.eval
+    # Warm-up: the first forwards of a process pay one-off costs (allocations, kernel selection) that would
+    # otherwise be charged to the plain baseline alone and inflate every measured speedup.
+    # (Each draft gets its own warm-up before its sweep, in _sweep.)
+    warm = token_ids[: e.batch_size]
+    plain_decode(engine, warm, [SamplingParams(max_new_tokens=4)] * len(warm))
+    plain = {}
+    for temperature in e.temperatures:
+        params = [SamplingParams(temperature=temperature, max_new_tokens=e.max_new_tokens,
+                                 seed=recipe.seed * 1_000_003 + i) for i in range(len(prompts))]
+        progress = Progress(f"eval: plain T={temperature:g}", len(prompts), "prompts", enabled=engine.tp.is_leader)
+        plain[temperature] = (params, *plain_decode(engine, token_ids, params, lambda s: _advance(progress, s)))
+        progress.close()
+    return plain
+
+
+def _comparisons(recipe: Recipe, engine: Engine, drafter: Drafter, others: dict[str, Any], prompts, token_ids,
+                 plain: dict, checks: list[LosslessCheck]) -> list[Comparison]:
+    """The sweep of every other draft (``eval.compare``) on the same prompts; the heads among them draft from this
+    head's vocabulary (``eval.draft_vocab``'s where this draft is no head or an eagle3 head with its own)."""
+    comparisons = []
+    own = isinstance(drafter, HeadDrafter) and not drafter.own_vocab  # (an eagle3 head's vocabulary is its own)
+    vocab = drafter.vocab if own else draft_vocab(recipe, engine.cfg.vocab_size)
+    for name in recipe.eval.compare:
+        other = _other_drafter(engine, name, others[name], vocab)
+        points = _sweep(engine, other, prompts, token_ids, plain, recipe.eval.k, checks)
+        comparisons.append(Comparison(name=name, sweep=points))
+    return comparisons
+
+
 def _sweep(engine: Engine, drafter: Drafter, prompts, token_ids, plain: dict, ks: list[int],
            checks: list[LosslessCheck], replies: dict | None = None) -> list[SweepPoint]:
     """Speculative decoding at every k and each temperature of ``plain`` (its params, results, timing), after an
@@ -333,10 +356,10 @@ def _sweep(engine: Engine, drafter: Drafter, prompts, token_ids, plain: dict, ks
                                        reference, results, decoder.greedy_violations)
                 checks.append(check)
             c, v, cost = step_costs(decoder.timings, timing)
-            point = sweep_point(k, temperature, request_traces(prompts, token_ids, results), c, timing.wall_s / spec_s,
-                                None if check is None else check.lossless, v=v, cost=cost,
-                                greedy_violations=None if check is None else check.greedy_violations,
-                                divergences=None if check is None else len(check.divergences))
+            verdict = LosslessVerdict() if check is None else LosslessVerdict(
+                check.lossless, check.greedy_violations, len(check.divergences))
+            point = sweep_point(k, temperature, request_traces(prompts, token_ids, results),
+                                PointTiming(c, timing.wall_s / spec_s, v, cost), verdict)
             points.append(point)
             if engine.tp.is_leader:
                 print(f"eval: {drafter.name} k={k} T={temperature:g}: tau {point.tau:.3f}, alpha "

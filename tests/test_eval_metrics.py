@@ -287,12 +287,12 @@ def test_eval_prompt_is_frozen():
 
 
 def test_prompt_set_groups_pool_back_to_the_whole():
-    from mtp_train.eval.metrics import sweep_point
+    from mtp_train.eval.metrics import LosslessVerdict, PointTiming, sweep_point
 
     traces = [trace([1, 0, 1], [2, 1, 2], pid="spec_bench/1", cat="coding"),
               trace([0, 0], [1, 1], pid="mt_bench/2", cat="writing"),
               trace([1, 1, 1, 0], [2, 2, 2, 1], pid="mt_bench/3", cat="math")]
-    point = sweep_point(1, 0.0, traces, 0.1, 1.0, True)
+    point = sweep_point(1, 0.0, traces, PointTiming(c=0.1, measured_speedup=1.0), LosslessVerdict(lossless=True))
     groups = point.by_prompt_set
     assert {n: g.num_steps for n, g in groups.items()} == {"spec_bench": 3, "mt_bench": 6}
     pooled = sum(g.alpha[0] * g.num_steps for g in groups.values()) / sum(g.num_steps for g in groups.values())

@@ -92,7 +92,7 @@ def test_warm_up_runs_a_full_draft_chain_at_each_temperature(prompts, monkeypatc
             runs.append((len(batch), sorted({p.temperature for p in params}), self.timings.draft_forwards, out))
             return out
 
-    monkeypatch.setattr(eval.timing, "SpeculativeDecoder", Recorded)
+    monkeypatch.setattr(mtp_train.eval.timing, "SpeculativeDecoder", Recorded)
     engine = Engine.from_pretrained(TINY_TARGET, max_seqs=4)
     k = 3
     warm_up(engine, DraftModelDrafter(engine, load_transformer(TINY_TARGET)), prompts, k, [0.0, 1.0])
