@@ -137,7 +137,7 @@ def summarize(checks: list[LosslessCheck], method: str) -> dict:
 
 
 def lossless_blocks(r: Report) -> list[tuple]:
-    """The report's "Lossless check" section (blocks as in :mod:`eval.render`)."""
+    """The report's "Lossless check" section (blocks as in :mod:`mtp_train.eval.sections`)."""
     if r.lossless is None:
         return [("p", "Lossless: n/a. No sweep point ran at temperature 0, where speculative decoding must give "
                       "plain greedy decoding's output; add 0.0 to eval.temperatures to check it.")]

@@ -21,7 +21,7 @@ Conventions (the definitions of ``DESIGN.md``, "Evaluation"):
   and SGLang print, where τ is not.
 - **Expected speedup** (``expected_speedup``): τ / (v + k·c), c = mean wall time of one batched draft forward in
   decode steps over that of one plain decode step, v = mean wall time of a speculative step outside its draft
-  forwards (the target's verify of k + 1 tokens) over that of one plain decode step (:mod:`eval.timing`). With
+  forwards (the target's verify of k + 1 tokens) over that of one plain decode step (:mod:`mtp_train.eval.timing`). With
   v = 1 this is the textbook τ / (1 + k·c), which holds where verifying k + 1 tokens costs one decode step.
 """
 

@@ -1,5 +1,5 @@
 """Measurement records of the report (``report.json``): the terms of c, lossless divergences, acceptance counted as
-vLLM counts it, and a serving engine's check. :mod:`eval.report` holds the report that carries them."""
+vLLM counts it, and a serving engine's check. :mod:`mtp_train.eval.report` holds the report that carries them."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 ``write_report`` writes ``report.json``, ``report.md`` and a self-contained ``report.html`` (inline CSS, four
 PNG plots embedded as data URIs, no JavaScript). Everything is rendered in memory first and each file is
-written atomically, so a failure leaves no partial file behind. The schema is :mod:`eval.report`'s; the
-sections both renderers show, and the blocks they are made of, are :mod:`eval.sections`'.
+written atomically, so a failure leaves no partial file behind. The schema is :mod:`mtp_train.eval.report`'s; the
+sections both renderers show, and the blocks they are made of, are :mod:`mtp_train.eval.sections`'.
 """
 
 from __future__ import annotations

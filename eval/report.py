@@ -11,9 +11,10 @@ Conventions (``../shared/DESIGN.md``, "Evaluation: definitions used in every rep
   its draft (the verify of k + 1 tokens) over that of one plain decode step (``verify_cost_ratio``; v = 1 in
   reports that predate it). Their terms are in ``SweepPoint.cost``.
 - **Lossless** (T = 0): strict token identity with plain decoding when the target runs in float32; in bf16/fp16,
-  no greedy violation and every divergence from plain decoding a near-tie (:mod:`eval.lossless`).
+  no greedy violation and every divergence from plain decoding a near-tie (:mod:`mtp_train.eval.lossless`).
 
-Rendering (Markdown, HTML) and writing the three files is :mod:`eval.render`'s.
+Its sections are :mod:`mtp_train.eval.sections`'; rendering them (Markdown, HTML) and writing the three files is
+:mod:`mtp_train.eval.render`'s.
 
 Baseline comparison (``compare``): deltas are new minus old. A line goes into ``regressions`` when
 

@@ -9,8 +9,8 @@ Conventions: tau counts the tokens emitted per target verification step, bonus t
 decoding has tau = 1); the prefill step's token is not a verification step. The draft cost ratio c is the
 mean wall time of one batched draft forward in decode steps over that of one plain decode step (a step in
 which every sequence decodes one token), both in this runtime at the same batch size, after a warm-up
-(:mod:`eval.timing`); v, the verify cost ratio, is a speculative step's time outside its drafts over the same
-plain decode step. Lossless at T = 0 is :mod:`eval.lossless`'s check. The headline is the lowest-temperature
+(:mod:`mtp_train.eval.timing`); v, the verify cost ratio, is a speculative step's time outside its drafts over the same
+plain decode step. Lossless at T = 0 is :mod:`mtp_train.eval.lossless`'s check. The headline is the lowest-temperature
 sweep point with the highest expected speedup tau / (v + k c).
 """
 

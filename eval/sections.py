@@ -1,4 +1,4 @@
-"""The release report's sections, in the order the report shows them: one list, two renderers (:mod:`eval.render`).
+"""The release report's sections, in the order the report shows them: one list, two renderers (:mod:`mtp_train.eval.render`).
 
 A section is ``(title, blocks)``; a block is one of
 

@@ -1,5 +1,5 @@
 """The report's step costs: c and v at every sweep point with the terms they were computed from, and why every
-measured speedup fell below 1× when it did (:mod:`eval.timing` measures them)."""
+measured speedup fell below 1× when it did (:mod:`mtp_train.eval.timing` measures them)."""
 
 from __future__ import annotations
 
