@@ -30,7 +30,7 @@ from mtp_train.heads.frozen import FrozenTarget
 from mtp_train.recipe import load_recipe
 from mtp_train.train.checkpoint import load_head
 from mtp_train.train.loss import _step_index, kl_topk
-from mtp_train.train.trainer import heldout_batches
+from mtp_train.train.objective import heldout_batches
 from mtp_train.features.manifest import target_fingerprint
 from mtp_train.features.reader import FeatureReader
 

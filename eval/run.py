@@ -194,7 +194,7 @@ def _load(recipe: Recipe) -> tuple[Engine, Drafter, Any]:
     if recipe.eval.draft == "target_mtp":
         return engine, HeadDrafter(engine, _target_mtp(recipe, engine), "target_mtp", vocab), None
 
-    from mtp_train.train.trainer import loss_weights
+    from mtp_train.train.objective import loss_weights
     from mtp_train.features.reader import FeatureReader
 
     root = recipe.head_dir()

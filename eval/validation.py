@@ -20,7 +20,7 @@ from mtp_train.runtime.kv_cache import PageTable
 from mtp_train.runtime.drafters import HeadDrafter
 from mtp_train.train.data import Batch
 from mtp_train.train.loss import LossWeights
-from mtp_train.train.trainer import validate
+from mtp_train.train.objective import validate
 from mtp_train.features.reader import FeatureReader
 
 

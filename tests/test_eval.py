@@ -71,7 +71,7 @@ def test_runtime_validation_equals_the_trainer_module(trained_run):
     from mtp_train.runtime.engine import Engine
     from mtp_train.runtime.drafters import HeadDrafter
     from mtp_train.train.checkpoint import load_head
-    from mtp_train.train.trainer import heldout_batches, loss_weights, validate
+    from mtp_train.train.objective import heldout_batches, loss_weights, validate
     from mtp_train.features.reader import FeatureReader
 
     recipe = load_recipe(trained_run)

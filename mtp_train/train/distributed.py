@@ -1,0 +1,97 @@
+"""The processes of a training run: the accelerate ``Accelerator`` (DDP, or DeepSpeed ZeRO), each rank's optimizer
+state as a checkpoint stores it, and the stop request every rank agrees on.
+
+SIGUSR1 or SIGTERM (a SLURM time-limit warning or a preemption) asks for a stop: at the end of the current optimizer
+step every rank agrees on it, a checkpoint is written, and the process exits with status 75 (``EXIT_STOPPED``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mtp_train.recipe import Recipe
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped by a signal after a checkpoint; run again to resume
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+
+class StopRequest:
+    """Set by SIGUSR1/SIGTERM; the trainer checks it between optimizer steps, never inside one."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
+
+    def _handle(self, signum: int, frame) -> None:
+        self.signal = signum
+
+    def agreed(self, accelerator: Accelerator) -> bool:
+        """True on every rank when any rank was signalled, so that all ranks stop after the same step."""
+        flag = torch.tensor(1.0 if self.signal is not None else 0.0, device=accelerator.device)
+        return bool(accelerator.reduce(flag, reduction="sum") > 0) if accelerator.num_processes > 1 else bool(flag)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def make_accelerator(recipe: Recipe) -> Accelerator:
+    """The recipe's accelerator: DDP (gloo without CUDA) or DeepSpeed ZeRO, with its mixed precision."""
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+
+    kwargs: dict[str, Any] = {"mixed_precision": recipe.train.mixed_precision}
+    if recipe.train.engine == "deepspeed":
+        for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": "29511"}.items():
+            os.environ.setdefault(key, value)  # not launched: one process (DeepSpeed would look for MPI)
+        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(
+            zero_stage=recipe.train.zero_stage, gradient_accumulation_steps=recipe.train.grad_accum,
+            gradient_clipping=recipe.train.grad_clip,
+        )
+    if not torch.cuda.is_available():
+        if recipe.train.engine == "deepspeed":
+            import deepspeed.ops
+
+            # DeepSpeed's shared-memory all-reduce compiles C++ for minutes on first use; gloo does the job.
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        else:
+            kwargs["cpu"] = True  # (with cpu=True, accelerate would silently drop DeepSpeed)
+            # accelerate imports DeepSpeed whenever it is installed (unwrap_model checks for its engine), and the
+            # import warns "Setting accelerator to CPU ... unable to detect it" when it finds no GPU. Naming the CPU
+            # silences that, and only here: without CUDA, under DDP, where DeepSpeed does no work.
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # gloo, since NCCL needs CUDA
+            kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
+    accelerator = Accelerator(**kwargs)
+    if recipe.train.engine == "deepspeed":  # batches are packed by tokens, so one "sample" per micro-batch
+        accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 1
+    return accelerator
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer, zero: bool) -> dict[str, Any]:
+    """This rank's optimizer state, tensors only. Under ZeRO: the base AdamW's state over this rank's
+    flat partition, and that partition's fp32 master weights."""
+    if not zero:
+        return optimizer.state_dict()
+    partitioned = optimizer.optimizer  # accelerate's wrapper -> DeepSpeed's ZeRO optimizer
+    return {"base": partitioned.optimizer.state_dict(),
+            "fp32": [t.detach().clone() for t in partitioned.single_partition_of_fp32_groups]}
+
+
+def restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict[str, Any], zero: bool) -> None:
+    """Load what ``optimizer_state`` returned on this rank into the prepared ``optimizer``."""
+    if not zero:
+        optimizer.load_state_dict(saved)
+        return
+    partitioned = optimizer.optimizer
+    partitioned.optimizer.load_state_dict(saved["base"])
+    for current, old in zip(partitioned.single_partition_of_fp32_groups, saved["fp32"], strict=True):
+        current.data.copy_(old)

@@ -1,0 +1,65 @@
+"""The head's objective as the trainer optimizes and validates it: the loss weights a recipe sets, the held-out
+batches, the loss (training-time test for an eagle3 head, else the unrolled ``head_loss``) and the teacher-forced
+validation. The eval runs the same ``validate`` with the runtime's paged forward; ``mtp_train.train.trainer`` names
+all four too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+from mtp_train.heads import DraftHead
+from mtp_train.heads.frozen import FrozenTarget
+from mtp_train.recipe import Recipe
+from mtp_train.train.data import Batch, load_batch
+from mtp_train.train.loss import LossWeights, StepMetrics, head_loss, simulated_tau
+from mtp_train.train.ttt import ttt_loss
+from mtp_train.features.reader import FeatureReader
+
+
+def loss_weights(recipe: Recipe) -> LossWeights:
+    t = recipe.train
+    return LossWeights(t.w_hidden, t.w_logits, t.unroll, t.unroll_decay, t.teacher)
+
+
+def heldout_batches(reader: FeatureReader, batch_tokens: int, aux: tuple[int, ...] = ()) -> Iterator[Batch]:
+    """The held-out sequences, 16 per batch, in stored order (with the stored layers ``aux`` as ``Batch.aux``)."""
+    refs = reader.heldout
+    for i in range(0, len(refs), 16):
+        yield load_batch(reader, refs[i : i + 16], batch_tokens, torch.float32, aux=aux)
+
+
+def objective(head: DraftHead, frozen: FrozenTarget, batch: Batch, weights: LossWeights,
+              forward: Callable[..., torch.Tensor] | None = None) -> tuple[torch.Tensor, list[StepMetrics]]:
+    """The head's training loss (a scalar tensor) and per-step metrics: training-time test for ``eagle3``, else
+    ``head_loss``. ``forward`` replaces the head's own forward (the DDP wrapper, the runtime's paged forward)."""
+    return (ttt_loss if head.spec.kind == "eagle3" else head_loss)(head, frozen, batch, weights, forward)
+
+
+@torch.no_grad()
+def validate(head: DraftHead, frozen: FrozenTarget, batches: Iterable[Batch], weights: LossWeights,
+             forward: Callable[..., torch.Tensor] | None = None) -> dict[str, Any]:
+    """Teacher-forced loss and top-1 accuracy per unrolled step over ``batches``.
+
+    ``forward`` replaces the head's own forward (the eval passes the runtime's paged implementation).
+    """
+    was_training = head.training
+    head.eval()
+    sums = [[0.0, 0, 0] for _ in range(weights.unroll)]  # loss*count, correct, count
+    for batch in batches:
+        _, metrics = objective(head, frozen, batch.to(frozen.embed_weight.device), weights, forward=forward)
+        for s, m in zip(sums, metrics):
+            s[0] += float(m.loss) * m.count
+            s[1] += m.correct
+            s[2] += m.count
+    head.train(was_training)
+    acc = [c / n if n else 0.0 for _, c, n in sums]
+    return {
+        "val_loss": [round(l / n, 5) if n else None for l, _, n in sums],
+        "val_top1": [round(a, 5) for a in acc],
+        "val_tau": round(simulated_tau(acc), 4),
+        "val_tokens": sums[0][2],
+    }
