@@ -17,7 +17,7 @@ from typing import Any
 
 CRASH_ENV = "MTP_TRAIN_CRASH_AT"  # test hook: "point:index" kills the process there with SIGKILL
 PAUSE_ENV = "MTP_TRAIN_PAUSE_AT"  # test hook: "point:index" stops the process there with SIGSTOP
-PAUSE_PID_ENV = "MTP_TRAIN_PAUSE_PIDFILE"  # where a pausing process first writes its pid
+PAUSE_DIR_ENV = "MTP_TRAIN_PAUSE_DIR"  # where a pausing process first leaves a file named by its pid
 
 
 def crash_point(point: str, index: int) -> None:
@@ -27,13 +27,13 @@ def crash_point(point: str, index: int) -> None:
 
 
 def pause_point(point: str, index: int) -> None:
-    """Stop (SIGSTOP) at ``point`` for ``index`` when the test hook asks for it, after writing this process's pid
-    to the hook's pid file, if one is named: a test then acts on a process that cannot move on (damages its
-    inputs, signals it) and continues it with SIGCONT, with no race against its progress."""
+    """Stop (SIGSTOP) at ``point`` for ``index`` when the test hook asks for it, after leaving a file named by this
+    process's pid in the hook's directory, if one is named: a test then acts on a process that cannot move on
+    (damages its inputs, signals it) and continues it with SIGCONT, with no race against its progress."""
     if os.environ.get(PAUSE_ENV) != f"{point}:{index}":
         return
-    if pid_file := os.environ.get(PAUSE_PID_ENV):
-        write_atomic(Path(pid_file), str(os.getpid()))
+    if directory := os.environ.get(PAUSE_DIR_ENV):
+        write_atomic(Path(directory) / str(os.getpid()), b"")
     os.kill(os.getpid(), signal.SIGSTOP)
 
 

@@ -12,13 +12,12 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO, assert_one_line_user_error, run_cli
+from conftest import REPO, assert_one_line_user_error, pause_env, paused_processes, resume, run_cli
 from mtp_train.errors import UserError
 from precompute_helpers import other_target
 
@@ -80,18 +79,19 @@ def test_damaged_shard_stops_the_eval_before_the_first_step(trained_run, tmp_pat
 
 
 def test_shard_damaged_mid_run_stops_training_after_its_last_checkpoint(trained_run, tmp_path):
-    """The shards are cut in half once the first checkpoint is written: the run stops at its next read, with one
-    line, and the checkpoints it wrote stay whole."""
+    """The shards are cut in half while the run is paused after its first checkpoint (the pause hook, at step 2):
+    the run stops at its next read, with one line, and the checkpoints it wrote stay whole."""
     run = copy_run(trained_run, tmp_path, "features")
     cmd = [sys.executable, "-m", "mtp_train.cli", "train", str(trained_run), f"output_dir={run}",
            "train.max_steps=400", "train.save_every=2", "train.val_every=400"]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=pause_env("train", 2, tmp_path / "paused"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     checkpoints = run / "checkpoints" / "mtp"
-    deadline = time.monotonic() + 300
-    while not (checkpoints / "latest").is_file() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
+    paused = paused_processes(tmp_path / "paused", 1, proc)
+    assert (checkpoints / "latest").read_text() == "step-00000002"
     for shard in (run / "features").glob("shard-*.safetensors"):
         os.truncate(shard, shard.stat().st_size // 2)
+    resume(paused)
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 2 and "Traceback" not in stderr, stderr[-3000:]
     last = stderr.strip().splitlines()[-1]

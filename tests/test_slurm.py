@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, TINY_RECIPE, run_cli
+from conftest import REPO, TINY_RECIPE, pause_env, paused_processes, resume, run_cli, signal_pending
 from precompute_helpers import make_recipe, sgd_rows, shard_contents, write_jsonl
 
 HARNESS = REPO / "tests" / "slurm"
@@ -154,18 +154,20 @@ def test_no_sbatch_on_path_is_a_one_line_error(tmp_path):
 
 
 def test_trainer_stops_on_sigusr1_with_a_checkpoint_and_resumes_to_the_same_weights(tmp_path, data, reference):
+    """SIGUSR1 reaches the trainer while it is paused after step 3 (the pause hook), between two checkpoints: it
+    writes one, exits 75, and the rerun resumes from it to the uninterrupted run's weights."""
     recipe = small_recipe(tmp_path, data, train={"save_every": 50},
                           precompute={"features_dir": str(reference / "features")})
     cmd = [sys.executable, "-m", "mtp_train.cli", "train", str(recipe), "train.grad_accum=2"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300
-    while not train_log(tmp_path / "run") and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
-    proc.send_signal(signal.SIGUSR1)
+    env = {**pause_env("train", 3, tmp_path / "paused"), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    (pid,) = paused_processes(tmp_path / "paused", 1, proc)
+    os.kill(pid, signal.SIGUSR1)
+    resume([pid])
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 75, err[-3000:]
     stopped_at = train_log(tmp_path / "run")[-1]["step"]
-    assert 1 <= stopped_at < TRAIN["max_steps"] and f"stopped by SIGUSR1 after step {stopped_at}" in err
+    assert stopped_at == 3 and f"stopped by SIGUSR1 after step {stopped_at}" in err
     assert (tmp_path / "run" / "checkpoints" / "mtp" / f"step-{stopped_at:08d}").is_dir()
     resumed = mtp_train("train", recipe, "train.grad_accum=2")
     assert resumed.returncode == 0 and f"resuming at step {stopped_at}" in resumed.stderr, resumed.stderr[-3000:]
@@ -294,21 +296,25 @@ def test_training_signalled_mid_run_requeues_and_ends_with_the_same_weights(chai
     recipe = load_recipe(recipe_path)
     opts = SlurmOptions(nodes=2, cpu=True, venv=Path(sys.prefix), array_tasks=3)
     paths = write_scripts(render(recipe_path, [], recipe, opts), recipe)
-    submitted = subprocess.run(["timeout", "60", "sbatch", "--parsable", str(paths["train"])], env=ENV,
+    env = {**pause_env("train", 3, tmp_path / "paused"), **{k: ENV[k] for k in ("OMP_NUM_THREADS", "WANDB_MODE")}}
+    submitted = subprocess.run(["timeout", "60", "sbatch", "--parsable", str(paths["train"])], env=env,
                                capture_output=True, text=True)
     assert submitted.returncode == 0, submitted.stderr
     job = submitted.stdout.strip().split(";")[0]
-    deadline = time.monotonic() + 600
-    while not train_log(recipe.output_dir) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    ranks = paused_processes(tmp_path / "paused", 2)  # both nodes' trainers, paused after step 3
     signalled = subprocess.run(["timeout", "30", "scancel", "--signal=USR1", "--batch", job], capture_output=True,
                                text=True)
     assert signalled.returncode == 0, signalled.stderr
+    deadline = time.monotonic() + 60  # the batch script forwards it through srun and torchrun to the paused ranks
+    while not all(signal_pending(pid, signal.SIGUSR1) for pid in ranks):
+        assert time.monotonic() < deadline, "SIGUSR1 did not reach the paused trainers"
+        time.sleep(0.05)
+    resume(ranks)
     result = wait_chain({"train": job}, timeout=CHAIN_TIMEOUT)
     log_text = (recipe.output_dir / "slurm" / "logs" / f"train-{job}.out").read_text()
     assert result.ok, "\n".join(result.lines) + "\n" + log_text[-4000:]
     assert "got SIGUSR1" in log_text and f"requeueing job {job}" in log_text and "restart 1" in log_text
-    assert "stopped by SIGUSR1 after step" in log_text and "resuming at step" in log_text
+    assert "stopped by SIGUSR1 after step 3" in log_text and "resuming at step 3" in log_text
     ours = train_log(recipe.output_dir)
     assert [r["step"] for r in ours] == list(range(1, TRAIN["max_steps"] + 1))
     assert [r["loss"] for r in ours] == [r["loss"] for r in train_log(uninterrupted)]
