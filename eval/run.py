@@ -34,6 +34,7 @@ from mtp_train.eval.samples import pick_samples
 from mtp_train.eval.timing import plain_decode, step_costs, timed_generate, warm_up
 from mtp_train.errors import UserError
 from mtp_train.heads.conventions import validity_line
+from mtp_train.lock import exclusive, rank_lock
 from mtp_train.progress import Progress
 from mtp_train.recipe import Recipe
 from mtp_train.runtime.engine import Engine
@@ -93,6 +94,13 @@ def run_eval(recipe: Recipe, baseline: Path | None = None) -> Path:
         if baseline is not None:
             write_report(old, out, baseline)
         return out
+    with exclusive(rank_lock(out), "eval"):
+        return _evaluate(recipe, key, old, baseline)
+
+
+def _evaluate(recipe: Recipe, key: str, old: Report | None, baseline: Path | None) -> Path:
+    """Run the eval's decoding and write its report (another eval's report, ``old``, is kept beside it)."""
+    out, done = recipe.eval_dir, recipe.eval_dir / FILES["json"]
     # Everything the eval reads is loaded (and checked) here, before the first decoding step.
     start = time.perf_counter()
     set_threads(recipe.threads)

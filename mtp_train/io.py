@@ -1,6 +1,6 @@
 """Atomic writes, the crash and pause hooks that test them, and token-budget groups: shared by every stage.
 
-A file is written to a hidden temp file in the same directory (``.NAME.tmp``), fsync'd, renamed over
+A file is written to a hidden temp file in the same directory (``.NAME.HOST.PID.tmp``), fsync'd, renamed over
 ``NAME``, and then the directory is fsync'd; a failure removes the temp file. A directory is filled
 under a temp name, fsync'd and renamed the same way. A crash leaves the old version or the new one,
 never a mix. This module imports nothing else of the project, so any part may import it.
@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,7 @@ def write_atomic(path: Path, payload: bytes | str, *, mode: int | None = None, c
     With ``crash_index``, the hook's point ``write:<crash_index>`` fires halfway through the payload.
     """
     data = payload.encode("utf-8") if isinstance(payload, str) else payload
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")  # two writers never share it
     try:
         with open(tmp, "wb") as f:
             if crash_index is None:

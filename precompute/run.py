@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,7 @@ import torch
 
 from mtp_train.errors import UserError
 from mtp_train.hf_checkpoint import find_checkpoint
+from mtp_train.lock import exclusive, rank_lock
 from mtp_train.models.config import ModelConfig
 from mtp_train.recipe import Recipe
 from mtp_train.threads import set_threads, warn_if_oversubscribed
@@ -89,6 +91,15 @@ def run_precompute(
         return merged
     device = default_device()
     tp = init_tensor_parallel(recipe.target.tp, device)
+    rank = job.worker.rank
+    # The TP group's leader alone writes this worker's files; it holds them until the end.
+    with exclusive(rank_lock(job.out, rank), f"precompute rank {rank}", rank) if tp.is_leader else nullcontext():
+        return _precompute(job, device, tp, overwrite, start)
+
+
+def _precompute(job: Job, device: torch.device, tp: TensorParallel, overwrite: bool, start: float) -> Manifest:
+    """Score this worker's rows into shards from where an earlier run stopped, and record them."""
+    recipe = job.recipe
     old = resume_point(job, tp, overwrite)
     data, mine = load_data(job)
     engine = load_engine(recipe, device, tp)

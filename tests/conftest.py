@@ -56,14 +56,14 @@ def _proc_status(pid: int) -> dict[str, str]:
         return dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
 
 
-def paused_processes(directory: Path, count: int, launched: subprocess.Popen | None = None,
-                     timeout: float = 600) -> list[int]:
+def paused_processes(directory: Path, count: int, *launched: subprocess.Popen, timeout: float = 600) -> list[int]:
     """The pids of the ``count`` processes that stopped themselves at the pause hook (``pause_env``), once every one
-    is stopped: a state that lasts until the test continues them with SIGCONT. Fails at once if ``launched`` ends
-    first."""
+    is stopped: a state that lasts until the test continues them with SIGCONT. Fails at once if every one of
+    ``launched`` ends first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        assert launched is None or launched.poll() is None, f"the run ended (status {launched.returncode}) unpaused"
+        ended = [p.poll() for p in launched]
+        assert not launched or None in ended, f"the run(s) ended unpaused, with status {ended}"
         pids = sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
         if len(pids) == count and all(_proc_status(pid)["State"].startswith("T") for pid in pids):
             return pids

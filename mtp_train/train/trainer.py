@@ -37,6 +37,7 @@ from mtp_train.errors import UserError
 from mtp_train.heads import DraftHead, HeadSpec, build_head, head_spec
 from mtp_train.heads.frozen import FrozenTarget
 from mtp_train.io import crash_point, pause_point
+from mtp_train.lock import exclusive, rank_lock
 from mtp_train.models.checkpoint import read_layer
 from mtp_train.progress import Progress
 from mtp_train.recipe import Recipe
@@ -69,7 +70,12 @@ def run_train(recipe: Recipe) -> Path:
     if head_is_complete(recipe.head_dir(), inputs.train_key):
         print(f"train: {recipe.head_dir()} is complete and matches the recipe; skipped", file=sys.stderr)
         return recipe.head_dir()
-    trainer = Trainer.setup(inputs, started)
+    with exclusive(rank_lock(recipe.checkpoints_dir), f"train ({recipe.head.kind} head)"):
+        return _train(Trainer.setup(inputs, started))
+
+
+def _train(trainer: Trainer) -> Path:
+    """The loop: steps until the last, validated, logged and checkpointed as the recipe says; a stop on request."""
     while trainer.step < trainer.total:
         result = trainer.train_step()
         if trainer.validation_due():
