@@ -46,7 +46,8 @@ def _start_time(pid: int) -> str | None:
 
 def _me() -> dict[str, str | int]:
     return {"host": socket.gethostname(), "pid": os.getpid(), "start": _start_time(os.getpid()) or "",
-            "slurm_job": os.environ.get("SLURM_JOB_ID", ""), "slurm_restart": os.environ.get("SLURM_RESTART_COUNT", "0"),
+            "slurm_job": os.environ.get("SLURM_JOB_ID", ""),
+            "slurm_restart": os.environ.get("SLURM_RESTART_COUNT", "0"),
             "since": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)[:300]}
 
 

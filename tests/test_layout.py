@@ -15,8 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"mtp_train": "mtp_train", "precompute": "mtp_train.precompute", "eval": "mtp_train.eval"}
 MAX_LINES = 400
 MAX_FUNCTION_LINES = 80
-BASE = ("errors", "io", "recipe", "hf_checkpoint", "progress", "threads", "models", "heads", "runtime", "features",
-        "data")
+BASE = ("errors", "io", "lock", "recipe", "hf_checkpoint", "progress", "threads", "models", "heads", "runtime",
+        "features", "data")
 STAGES = ("mtp_train.precompute", "mtp_train.eval")
 
 
