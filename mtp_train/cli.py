@@ -127,11 +127,12 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _slurm(args, recipe)
     stages = STAGES if args.command == "run" else (STAGE_BY_NAME[args.command],)
     if args.dry_run:
-        check_data(recipe, stages)
+        disk = check_data(recipe, stages)
         print("# resolved recipe")
         print(recipe_to_yaml(recipe), end="")
         print(plan_text(recipe, stages))
         print(memory_text(recipe))
+        print("\n".join(disk), end="\n" if disk else "")
         return 0
     for stage in stages:
         options = {}

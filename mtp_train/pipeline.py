@@ -109,13 +109,17 @@ def check_inputs(recipe: Recipe) -> None:
     check_target(ckpt, recipe.target.tp)
 
 
-def check_data(recipe: Recipe, stages: tuple[Stage, ...]) -> None:
-    """When precompute is planned, its template and loss-mask checks on the first rows of the data: the tokenizer
-    only, no weights, so that ``--dry-run`` refuses a template before anything is loaded or queued."""
-    if any(stage.name == "precompute" for stage in stages):
-        from mtp_train.precompute.preflight import check_first_rows
+def check_data(recipe: Recipe, stages: tuple[Stage, ...]) -> list[str]:
+    """When precompute is planned, its template and loss-mask checks on the first rows of the data (the tokenizer
+    only, no weights) and the disk its features take, refused when their filesystem lacks it: so that
+    ``--dry-run`` refuses before anything is loaded or queued. The disk plan's lines (none without precompute)."""
+    if not any(stage.name == "precompute" for stage in stages):
+        return []
+    from mtp_train.precompute.preflight import check_first_rows
 
-        check_first_rows(recipe)
+    disk = check_first_rows(recipe)
+    disk.check()
+    return disk.lines()
 
 
 def memory_text(recipe: Recipe) -> str:

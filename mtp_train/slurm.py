@@ -322,22 +322,25 @@ def merge_features(root: Path) -> int:
     return 0
 
 
-def preflight(recipe: Recipe) -> None:
-    """Precompute's template and loss-mask checks on the first rows, before anything is queued, where this node
-    sees the data and the target (a login node may not: then the precompute job runs them)."""
+def preflight(recipe: Recipe, tasks: int) -> list[str]:
+    """Precompute's template and loss-mask checks on the first rows, and the features' disk over ``tasks`` array
+    tasks (refused when their filesystem lacks it), before anything is queued, where this node sees the data and the
+    target (a login node may not: then the precompute job runs the checks). The disk plan's lines."""
     if all(p.exists() for p in recipe.data.train) and (recipe.target.path / "config.json").is_file():
         from mtp_train.precompute.preflight import check_first_rows
 
-        check_first_rows(recipe)
-    else:
-        print("slurm: data.train or target.path is not visible on this node; the chat-template check runs in the "
-              "precompute job", file=sys.stderr)
+        disk = check_first_rows(recipe, tasks)
+        disk.check()
+        return disk.lines()
+    print("slurm: data.train or target.path is not visible on this node; the chat-template check runs in the "
+          "precompute job", file=sys.stderr)
+    return []
 
 
 def run_slurm(recipe_path: Path, overrides: list[str], recipe: Recipe, opts: SlurmOptions, dry_run: bool,
               wait: bool) -> int:
     """``mtp-train slurm``: check the data, render, then print (dry run) or write, submit, and optionally wait."""
-    preflight(recipe)
+    disk = preflight(recipe, opts.tasks(recipe))
     scripts = render(recipe_path, overrides, recipe, opts)
     out = recipe.slurm_dir
     paths = {job: out / f"{job}.sbatch" for job in JOBS}
@@ -349,6 +352,7 @@ def run_slurm(recipe_path: Path, overrides: list[str], recipe: Recipe, opts: Slu
         for job, cmd in zip(JOBS, sbatch_commands(paths)):
             words = " ".join(c if c.startswith("--dependency=") else shlex.quote(c) for c in cmd)
             print(f"{job.upper()}=$({words})")
+        print("\n".join(f"# {line}" for line in disk), end="\n" if disk else "")
         return 0
     if shutil.which("sbatch") is None:
         raise UserError("sbatch not found on PATH; run on a SLURM login node, or use --dry-run")

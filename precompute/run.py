@@ -28,6 +28,7 @@ from mtp_train.recipe import Recipe
 from mtp_train.threads import set_threads, warn_if_oversubscribed
 from mtp_train.data.dataset import LoadedData, Row, encode_many, heldout_ids, load_rows, rank_slice
 from mtp_train.features.layers import eagle3_layers, stored_layers
+from mtp_train.features.space import bytes_per_token, require_space
 from mtp_train.features.manifest import (
     MERGED,
     Manifest,
@@ -111,6 +112,9 @@ def _precompute(job: Job, device: torch.device, tp: TensorParallel, overwrite: b
     if tp.is_leader and len(manifest.shards) < len(plan) and (job.out / MERGED).is_file():
         (job.out / MERGED).unlink()  # stale until every rank is complete again
     report_plan(job, plan, manifest, by_file)
+    remaining = sum(plan.tokens(i) for i in range(len(manifest.shards), len(plan)))
+    require_space(job.out, remaining * bytes_per_token(len(manifest.layers), manifest.hidden_size, manifest.topk),
+                  f"rank {job.worker.rank}'s {len(plan) - len(manifest.shards)} shards still to write")
     if not recipe.data.regenerate:
         warn_if_oversubscribed("precompute", tp.is_leader)
     write_shards(plan, manifest, engine, job.out, job.worker.rank, write=tp.is_leader)

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 from pathlib import Path
+
+import pytest
 
 from conftest import REPO, TINY_TARGET, assert_one_line_user_error, run_cli, stand_in_checkpoint
 from precompute_helpers import make_recipe, run_precompute_cli, sgd_rows, write_jsonl
@@ -87,7 +90,47 @@ def test_the_deepseek_v2_lite_recipe_dry_runs_from_its_shipped_config(tmp_path):
     stand_in_checkpoint(tmp_path, REPO / "recipes" / "configs" / "deepseek-v2-lite" / "config.json")
     proc = run_cli(recipe, f"target.path={tmp_path}", f"data.train={tmp_path / 'data.jsonl'}", "--dry-run")
     assert proc.returncode == 0, proc.stderr
-    memory = proc.stdout.split("memory per rank")[1].splitlines()[1:]
+    memory = proc.stdout.split("memory per rank")[1].split("disk for")[0].splitlines()[1:]
     assert len(memory) == 2 and all(f"# {line}\n" in recipe.read_text() for line in memory)
     assert "token slots of 31,104 B (MLA latent 512+64 x 27 layers, on every rank)" in memory[0]
     assert all("fits" in line and "DOES NOT FIT" not in line for line in memory), memory
+
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A 1 MiB tmpfs (root mounts it; elsewhere the test is skipped, saying so)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({proc.stderr.strip()})")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_the_dry_run_prints_the_features_disk_per_array_task_and_in_total(tmp_path):
+    recipe = _recipe(tmp_path, rows=sgd_rows(10))
+    proc = run_cli(recipe, "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    line = proc.stdout.split("disk for the features:\n", 1)[1].splitlines()[0]
+    hidden = json.loads((TINY_TARGET / "config.json").read_text())["hidden_size"]
+    per_token = 2 * hidden * 2 + 9 + 6 * 8 + 4  # bf16 layers [1, -1]; id, mask, log-sum-exp; top-8 and the tail
+    assert "(10 rows x " in line and f" x {per_token} B = " in line and line.endswith(": fits"), line
+    slurm = run_cli("slurm", recipe, "--cpu", "--array-tasks", "4", "--dry-run")
+    assert slurm.returncode == 0, slurm.stderr
+    assert "MiB per array task of 4;" in slurm.stdout.split("# disk for the features:\n", 1)[1], slurm.stdout
+
+
+def test_features_that_do_not_fit_their_filesystem_are_refused_before_anything_runs(tmp_path, small_filesystem):
+    features = small_filesystem / "features"
+    recipe = _recipe(tmp_path, rows=sgd_rows(40))
+    override = f"precompute.features_dir={features}"
+    assert_one_line_user_error(run_cli(recipe, override, "--dry-run"), f"{features}: the features need ",
+                               f"the filesystem of {small_filesystem} has", "precompute.features_dir")
+    assert_one_line_user_error(run_cli("slurm", recipe, override, "--cpu", "--dry-run"), f"{features}: the features")
+    assert not list(tmp_path.rglob("*.sbatch")) and not features.exists()
+    run = run_precompute_cli(recipe, override)  # the run itself refuses before its first shard
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert "shards still to write need " in run.stderr.strip().splitlines()[-1]
+    assert not list(features.glob("shard-*")) and not list(features.glob(".lock*"))

@@ -86,6 +86,14 @@ def load_rows(files: list[Path], fmt: str, skip_bad_rows: bool, max_rows: int | 
     return out
 
 
+def count_rows(files: list[Path]) -> int:
+    """How many rows ``files`` hold, good or bad (a missing file is an error)."""
+    for path in files:
+        if not path.exists():
+            raise UserError(f"data.train: {path} not found")
+    return sum(len(_load_file(path)) for path in files)
+
+
 def heldout_ids(num_rows: int, count: int, seed: int) -> set[int]:
     """The seeded draw of rows that training never sees (the eval's held-out prompts)."""
     return set(random.Random(seed).sample(range(num_rows), min(count, num_rows)))
