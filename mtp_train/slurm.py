@@ -306,20 +306,27 @@ def wait_chain(ids: dict[str, str], timeout: float | None = None, poll: float = 
 
 
 def merge_features(root: Path) -> int:
-    """The array's final step: write ``manifest.json`` from complete rank manifests when no task did."""
+    """The array's final step: write ``manifest.json`` from complete rank manifests when no task did, then check
+    every shard's size and header and the rows' coverage (each array task checked its own shards' sha256)."""
     from mtp_train.features.manifest import MERGED
+    from mtp_train.features.verify import load_features_manifest, verify
     from mtp_train.precompute.run import merge_manifests
-    from mtp_train.features.verify import load_features_manifest
 
     if (root / MERGED).is_file():
         print(f"merge: {root / MERGED} exists")
-        return 0
-    manifest = load_features_manifest(root)
-    if merge_manifests(root, manifest.world_size) is None:
-        print(f"merge: {root}: not every one of {manifest.world_size} ranks is complete", file=sys.stderr)
-        return 1
-    print(f"merge: wrote {root / MERGED}")
-    return 0
+    else:
+        manifest = load_features_manifest(root)
+        if merge_manifests(root, manifest.world_size) is None:
+            print(f"merge: {root}: not every one of {manifest.world_size} ranks is complete", file=sys.stderr)
+            return 1
+        print(f"merge: wrote {root / MERGED}")
+    problems, manifest = verify(root, contents=False)
+    for problem in problems:
+        print(f"merge: {problem}", file=sys.stderr)
+    if not problems:
+        print(f"merge: {len(manifest.shards)} shards' sizes and headers, and the rows' coverage: OK (their sha256 "
+              "were checked by the array tasks that wrote them)")
+    return 1 if problems else 0
 
 
 def preflight(recipe: Recipe, tasks: int) -> list[str]:

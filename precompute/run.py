@@ -22,6 +22,7 @@ import torch
 
 from mtp_train.errors import UserError
 from mtp_train.hf_checkpoint import find_checkpoint
+from mtp_train.io import pause_point
 from mtp_train.lock import exclusive, rank_lock
 from mtp_train.models.config import ModelConfig
 from mtp_train.recipe import Recipe
@@ -29,6 +30,7 @@ from mtp_train.threads import set_threads, warn_if_oversubscribed
 from mtp_train.data.dataset import LoadedData, Row, encode_many, heldout_ids, load_rows, rank_slice
 from mtp_train.features.layers import eagle3_layers, stored_layers
 from mtp_train.features.space import bytes_per_token, require_space
+from mtp_train.features.verify import check_shards
 from mtp_train.features.manifest import (
     MERGED,
     Manifest,
@@ -258,6 +260,15 @@ def report_plan(job: Job, plan: ShardPlan, manifest: Manifest, by_file: dict[str
 
 def finish(job: Job, manifest: Manifest, start: float) -> Manifest:
     """Mark this rank complete, and merge the manifests once every rank is."""
+    pause_point("readback", job.worker.rank)  # test hook: the shards are on disk, not yet read back
+    began = time.perf_counter()
+    problems = check_shards(job.out, manifest)  # read back from disk: what this worker wrote is what it hashed
+    if problems:
+        raise UserError(f"rank {job.worker.rank}'s shards do not read back as written ({len(problems)} of "
+                        f"{len(manifest.shards)}): {problems[0]}; check the disk, then rerun precompute with "
+                        "--overwrite")
+    print(f"precompute: rank {job.worker.rank} read back its {len(manifest.shards)} shards: sha256 as written "
+          f"({time.perf_counter() - began:.0f}s)", file=sys.stderr)
     manifest.complete = True
     save_manifest(job.manifest_path, manifest)
     out, world = job.out, job.worker.world

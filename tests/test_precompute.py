@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, TINY_TARGET, run_cli
+from conftest import REPO, TINY_TARGET, pause_env, paused_processes, resume, run_cli
 from mtp_train.errors import UserError
 from mtp_train.recipe import load_recipe
 from mtp_train.data.dataset import encode, load_rows
@@ -327,3 +327,25 @@ def test_tensor_parallel_worker_writes_the_same_features(reference, tmp_path):
     for row_id in ref:
         assert torch.equal(ours[row_id]["input_ids"], ref[row_id]["input_ids"])
         assert torch.allclose(ours[row_id]["hidden"].float(), ref[row_id]["hidden"].float(), atol=2e-2, rtol=1e-2)
+
+
+def test_a_worker_reads_back_its_shards_before_it_is_complete(tmp_path):
+    """A shard damaged on disk after it was written (while the run is paused at the read-back, the pause hook) is
+    found by the worker that wrote it: one line, exit 2, and its manifest is not marked complete."""
+    recipe = make_recipe(tmp_path, write_jsonl(tmp_path / "d.jsonl", sgd_rows(12)))
+    env = pause_env("readback", 0, tmp_path / "paused")
+    proc = subprocess.Popen([sys.executable, "-m", "mtp_train.cli", "precompute", str(recipe)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    paused = paused_processes(tmp_path / "paused", 1, proc)
+    features = tmp_path / "run" / "features"
+    shard = sorted(features.glob("shard-*.safetensors"))[-1]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # one bit pattern flipped in the last tensor's data: same size, a valid header
+    shard.write_bytes(bytes(data))
+    resume(paused)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in err, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert "rank 0's shards do not read back as written (1 of " in last and f"{shard}: sha256 mismatch" in last, last
+    assert not json.loads((features / "manifest.rank-00000.json").read_text())["complete"]
+    assert not (features / "manifest.json").exists()

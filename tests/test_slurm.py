@@ -92,7 +92,7 @@ def test_dry_run_prints_the_scripts_and_the_chained_sbatch_commands(tmp_path):
     assert "#SBATCH --nodes=2\n" in train and "#SBATCH --gres=gpu:8\n" in train and "export PROCS_PER_NODE=8" in train
     assert "#SBATCH --requeue\n" in train and "#SBATCH --signal=B:USR1@300\n" in train
     assert "#SBATCH --time=48:00:00\n" in train and "scontrol show hostnames" in train
-    assert "--gres" not in scripts["verify"] and "mtp-train verify" in scripts["verify"]
+    assert "--gres" not in scripts["verify"] and "python -m mtp_train.slurm merge" in scripts["verify"]
     for script in scripts.values():
         assert "#SBATCH --partition=gpu\n" in script and "#SBATCH --account=proj\n" in script
         assert "{{" not in script and "ACCELERATE_USE_CPU" not in script
@@ -105,8 +105,8 @@ def test_dry_run_prints_the_scripts_and_the_chained_sbatch_commands(tmp_path):
     assert not out.exists(), "a dry run writes nothing"
 
 
-def test_the_readme_example_for_llama_70b_on_four_8xh100_nodes(tmp_path):
-    """The README's worked example: 4 array tasks with TP 8 on a node each, 32 training ranks, eval on 8 GPUs."""
+def test_the_docs_example_for_llama_70b_on_four_8xh100_nodes(tmp_path):
+    """The worked example of docs/slurm.md: 4 array tasks with TP 8 on a node each, 32 training ranks, eval on 8 GPUs."""
     target = tmp_path / "target"  # Llama-3.3-70B's head counts, enough for the checks that need a checkpoint
     target.mkdir()
     (target / "config.json").write_text(json.dumps({"model_type": "llama", "num_attention_heads": 64,
@@ -256,11 +256,16 @@ def test_chain_on_two_nodes_equals_a_run_without_slurm(chain, reference):
     ids = job_ids(proc.stdout)
     assert list(ids) == ["precompute", "verify", "train", "eval"] and len(set(ids.values())) == 4
     assert f"slurm: precompute: job {ids['precompute']} COMPLETED, 3 array tasks" in proc.stdout
-    # Three array tasks wrote three ranks; the final step verified them.
+    # Three array tasks wrote three ranks and read back their own shards; the final step checked the headers.
     features = out / "features"
     manifest = json.loads((features / "manifest.json").read_text())
     assert sorted(manifest["ranks"]) == [0, 1, 2] and manifest["world_size"] == 3
-    assert "ranks [0, 1, 2] of 3: OK" in (out / "slurm" / "logs" / f"verify-{ids['verify']}.out").read_text()
+    log_dir = out / "slurm" / "logs"
+    for rank in range(3):
+        log = (log_dir / f"precompute-{ids['precompute']}_{rank}.out").read_text()
+        assert f"precompute: rank {rank} read back its " in log and "shards: sha256 as written" in log, log[-2000:]
+    merged = (log_dir / f"verify-{ids['verify']}.out").read_text()
+    assert "headers, and the rows' coverage: OK" in merged and "sha256 mismatch" not in merged, merged
     assert run_cli("verify", features).returncode == 0
     # Identical features, row by row (the runs shard them differently).
     ours, ref = shard_contents(features), shard_contents(reference / "features")

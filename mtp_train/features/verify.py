@@ -1,4 +1,8 @@
-"""``mtp-train verify FEATURES_DIR``: check every shard against the manifest, and the rows' coverage."""
+"""``mtp-train verify FEATURES_DIR``: check every shard against the manifest, and the rows' coverage.
+
+Each precompute worker checks the shards it wrote (their sha256 read back from disk) before it marks itself
+complete, so that a cluster's workers share the hashing; the merge after them checks headers and coverage only.
+"""
 
 from __future__ import annotations
 
@@ -39,18 +43,14 @@ def _expected(manifest: Manifest, t: int, s: int) -> dict[str, tuple[tuple[int, 
     return shapes
 
 
-def check_shard(root: Path, manifest: Manifest, entry) -> str | None:
-    """The first problem with one shard, or None."""
+def check_shard(root: Path, manifest: Manifest, entry, contents: bool = True) -> str | None:
+    """The first problem with one shard, or None; ``contents``: its sha256 too, else its size and header only."""
     path = root / entry.file
     if not path.is_file():
         return f"{path}: missing"
     if path.stat().st_size != entry.bytes:
         return f"{path}: {path.stat().st_size} bytes, manifest says {entry.bytes} (truncated or replaced)"
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    if h.hexdigest() != entry.sha256:
+    if contents and _sha256(path) != entry.sha256:
         return f"{path}: sha256 mismatch (corrupted)"
     try:
         with safe_open(path, framework="pt") as f:
@@ -70,8 +70,22 @@ def check_shard(root: Path, manifest: Manifest, entry) -> str | None:
     return None
 
 
-def verify(root: Path) -> tuple[list[str], Manifest]:
-    """All problems found (empty when the features are sound) and the manifest that was checked."""
+def check_shards(root: Path, manifest: Manifest, contents: bool = True) -> list[str]:
+    """The problems of the shards ``manifest`` lists (:func:`check_shard` of each)."""
+    return [problem for entry in manifest.shards if (problem := check_shard(root, manifest, entry, contents))]
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verify(root: Path, contents: bool = True) -> tuple[list[str], Manifest]:
+    """All problems found (empty when the features are sound) and the manifest that was checked; ``contents``:
+    every shard's sha256 too, else sizes, headers and the rows' coverage only."""
     manifest = load_features_manifest(root)
     problems = []
     if not manifest.complete:
@@ -80,10 +94,7 @@ def verify(root: Path) -> tuple[list[str], Manifest]:
     if ranks != list(range(manifest.world_size)):
         missing = sorted(set(range(manifest.world_size)) - set(ranks))
         problems.append(f"{root}: manifest(s) of rank(s) {missing} missing, e.g. {rank_manifest_name(missing[0])}")
-    for entry in manifest.shards:
-        problem = check_shard(root, manifest, entry)
-        if problem:
-            problems.append(problem)
+    problems += check_shards(root, manifest, contents)
     covered = [r for s in manifest.shards for r in s.row_ids]
     if len(covered) != len(set(covered)):
         problems.append(f"{root}: some rows are stored more than once")
