@@ -328,6 +328,9 @@ def check(work: Path, smoke: bool) -> int:
     md.append(section("parity:random")[1])
     facts = work / "parity-random.json"
     backend = "flashinfer" if facts.is_file() and "flashinfer" in json.loads(facts.read_text())["ran"] else "torch"
+    if not smoke and backend == "torch":  # never a silent fallback: a JIT build past its limit is a failure
+        runner.fail("parity:random", "flashinfer did not run (not installed, or its JIT build failed or ran past the "
+                    "section's limit); the pipeline below runs on the torch backend")
     recipe, run = str(write_recipe(work, size, backend)), work / "run"
     md.append(f"### Pipeline on the random target ({backend} attention backend)\n")
     stages = {"precompute": [cli + ["precompute", recipe], cli + ["verify", str(run / "features")]],

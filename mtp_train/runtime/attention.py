@@ -161,42 +161,56 @@ def _flashinfer_installed() -> bool:
 
     if importlib.util.find_spec("flashinfer") is not None:
         return True
-    global _warned
-    if not _warned:
-        _warned = True
-        print("runtime: flashinfer is not installed, so attention on CUDA uses the torch backend "
-              "(pip install -e '.[gpu]' for flashinfer)", file=sys.stderr)
+    _notice("runtime: flashinfer is not installed, so attention on CUDA uses the torch backend "
+            "(pip install -e '.[gpu]' for flashinfer)")
     return False
 
 
-_warned = False
+_noticed: set[str] = set()
+
+
+def _notice(line: str) -> None:
+    """``line`` on stderr, once per process."""
+    if line not in _noticed:
+        _noticed.add(line)
+        print(line, file=sys.stderr)
+
+
+def backend_name(name: str, device: torch.device, dtype: torch.dtype, latent: bool = False) -> str:
+    """Which backend ``name`` (the recipe's ``target.attention_backend``: auto, torch or flashinfer) resolves to.
+
+    ``auto`` picks flashinfer on CUDA in bf16/fp16 when it is installed (the ``gpu`` extra), and torch otherwise.
+    FlashInfer has no float32 kernels: fp32 on CUDA takes the torch backend, with a notice when flashinfer was asked
+    for by name. ``latent``: the model uses MLA (DeepSeek), whose paged latent attention only torch implements.
+    """
+    from mtp_train.errors import UserError
+
+    if name not in ("auto", "torch", "flashinfer"):
+        raise ValueError(name)
+    if latent:
+        if name == "flashinfer":
+            raise UserError("target.attention_backend: flashinfer is not wired for MLA (DeepSeek) targets in this "
+                            "runtime; use torch or auto")
+        return "torch"
+    if name == "flashinfer" and device.type != "cuda":
+        raise UserError("target.attention_backend: flashinfer needs a CUDA device; use torch or auto on CPU")
+    if name != "torch" and device.type == "cuda" and dtype == torch.float32:
+        if name == "flashinfer":
+            _notice("runtime: flashinfer has no float32 kernels; attention in float32 uses the torch backend "
+                    "(set target.dtype: bfloat16 for flashinfer)")
+        return "torch"
+    if name == "auto":
+        return "flashinfer" if device.type == "cuda" and _flashinfer_installed() else "torch"
+    return name
 
 
 def select_backend(
     name: str, device: torch.device, sliding_window: int | None, dtype: torch.dtype = torch.float32,
     latent: bool = False,
 ) -> AttentionBackend:
-    """``auto`` picks flashinfer on CUDA when it is installed (the ``gpu`` extra), and torch otherwise.
-
-    ``latent``: the model uses MLA (DeepSeek), whose paged latent attention only the torch backend implements.
-    """
-    if latent:
-        if name == "flashinfer":
-            from mtp_train.errors import UserError
-
-            raise UserError("target.attention_backend: flashinfer is not wired for MLA (DeepSeek) targets in this "
-                            "runtime; use torch or auto")
+    """The attention backend that ``name`` resolves to (:func:`backend_name`), built for ``device``."""
+    if backend_name(name, device, dtype, latent) == "torch":
         return TorchAttention(sliding_window)
-    if name == "auto":
-        name = "flashinfer" if device.type == "cuda" and _flashinfer_installed() else "torch"
-    if name == "torch":
-        return TorchAttention(sliding_window)
-    if name == "flashinfer":
-        from mtp_train.errors import UserError
+    from mtp_train.runtime.flashinfer_backend import FlashInferAttention
 
-        if device.type != "cuda":
-            raise UserError("target.attention_backend: flashinfer needs a CUDA device; use torch or auto on CPU")
-        from mtp_train.runtime.flashinfer_backend import FlashInferAttention
-
-        return FlashInferAttention(device, sliding_window, dtype)
-    raise ValueError(name)
+    return FlashInferAttention(device, sliding_window, dtype)

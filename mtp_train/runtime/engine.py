@@ -117,6 +117,7 @@ class Engine:
             num_pages = KVPool.pages_for_budget(self.cfg, page_size, kv_bytes, dtype, self.tp.size)
         self.allocator = PageAllocator(num_pages, page_size)
         self.kv = KVPool(self.cfg, self.allocator, dtype, self.device, self.tp.size)
+        self.backend_name = backend  # as the recipe asked (auto, torch, flashinfer): drafters follow it
         self.backend = select_backend(backend, self.device, self.cfg.sliding_window, dtype, latent=self.cfg.mla is not None)
         self.small_batch_layout = small_batch_layout and self.device.type == "cpu"  # drafters follow it
         self.small_batch = tune(model) if self.small_batch_layout else {}

@@ -1,0 +1,56 @@
+"""Which attention backend the runtime runs, decided without a GPU: the recipe's choice, the device, the dtype."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mtp_train.runtime.attention as attention
+from conftest import TINY_TARGET
+from mtp_train.errors import UserError
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize("name, device, dtype, latent, want", [
+    ("auto", CPU, torch.float32, False, "torch"),
+    ("auto", CUDA, torch.bfloat16, False, "flashinfer"),
+    ("auto", CUDA, torch.float16, False, "flashinfer"),
+    ("auto", CUDA, torch.float32, False, "torch"),  # flashinfer has no fp32 kernels
+    ("flashinfer", CUDA, torch.bfloat16, False, "flashinfer"),
+    ("flashinfer", CUDA, torch.float32, False, "torch"),  # falls back, with a notice, instead of failing
+    ("torch", CUDA, torch.bfloat16, False, "torch"),
+    ("auto", CUDA, torch.bfloat16, True, "torch"),  # MLA: only torch's paged latent attention
+])
+def test_backend_name(monkeypatch, capsys, name, device, dtype, latent, want):
+    monkeypatch.setattr(attention, "_flashinfer_installed", lambda: True)
+    monkeypatch.setattr(attention, "_noticed", set())
+    assert attention.backend_name(name, device, dtype, latent) == want
+    notice = capsys.readouterr().err
+    assert ("no float32 kernels" in notice) == (name == "flashinfer" and want == "torch"), notice
+
+
+@pytest.mark.parametrize("device, latent, message", [(CPU, False, "needs a CUDA device"),
+                                                     (CUDA, True, "not wired for MLA")])
+def test_flashinfer_where_it_cannot_run_is_a_user_error(device, latent, message):
+    with pytest.raises(UserError, match=message):
+        attention.backend_name("flashinfer", device, torch.bfloat16, latent)
+
+
+def test_flashinfer_workspace_is_at_least_512_mib():
+    from mtp_train.runtime.flashinfer_backend import WORKSPACE_BYTES  # imports no flashinfer until it is built
+
+    assert WORKSPACE_BYTES >= 512 * 2**20
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_drafters_use_the_backend_the_recipe_chose(monkeypatch, backend):
+    import mtp_train.runtime.drafters as drafters
+    from mtp_train.runtime.engine import Engine
+
+    engine = Engine.from_pretrained(TINY_TARGET, backend=backend, small_batch_layout=False)
+    asked = []
+    select = drafters.select_backend
+    monkeypatch.setattr(drafters, "select_backend", lambda name, *a, **k: asked.append(name) or select(name, *a, **k))
+    drafters.BigramDrafter(engine, torch.zeros(engine.cfg.vocab_size, dtype=torch.long))
+    assert asked == [backend]
