@@ -8,8 +8,8 @@ precompute (320 rows of the shipped SGD data, then verify), train (50 steps of t
 (k = 1..4, T = 0 and 1; the measured speedup), each ``python -m mtp_train.cli STAGE`` on a recipe written into the
 work directory; parity:smollm2, as parity:random on .cache/smollm2-135m-instruct when it is there (~540 MB, over the
 carry limit, so seldom on the GPU machine: then one line says it was skipped). A failed section prints one line
-``FAIL section: why``, the run goes on, and the exit status is 1. The Markdown for bench/RESULTS.md comes last on
-stdout, and goes to $OUT/gpu_check.md too when $OUT is set (the log to $OUT/gpu_check.log).
+``FAIL section: why``, the run goes on, and the exit status is 1; flashinfer's not running on a GPU is a failure.
+The Markdown for bench/RESULTS.md comes last on stdout, and goes to $OUT/gpu_check.md too when $OUT is set.
 
     python bench/gpu_check.py              # CUDA; without CUDA it says so in one line and exits 0
     python bench/gpu_check.py --cpu-smoke  # the same flow on CPU at tiny sizes (torch backend, k = 1..2)
@@ -323,14 +323,11 @@ def check(work: Path, smoke: bool) -> int:
     def section(name: str, commands: list[list[str]] | None = None) -> tuple[bool, str]:
         return runner.run(name, commands or [me + ["--section", name]], size.guards.get(name, 120))
 
-    md.append(section("build")[1])
-    md.append("### Attention backends: random target\n")
-    md.append(section("parity:random")[1])
+    md += [section("build")[1], "### Attention backends: random target\n", section("parity:random")[1]]
     facts = work / "parity-random.json"
     backend = "flashinfer" if facts.is_file() and "flashinfer" in json.loads(facts.read_text())["ran"] else "torch"
     if not smoke and backend == "torch":  # never a silent fallback: a JIT build past its limit is a failure
-        runner.fail("parity:random", "flashinfer did not run (not installed, or its JIT build failed or ran past the "
-                    "section's limit); the pipeline below runs on the torch backend")
+        runner.fail("parity:random", "flashinfer did not run (missing, or its JIT build failed or ran too long)")
     recipe, run = str(write_recipe(work, size, backend)), work / "run"
     md.append(f"### Pipeline on the random target ({backend} attention backend)\n")
     stages = {"precompute": [cli + ["precompute", recipe], cli + ["verify", str(run / "features")]],

@@ -25,9 +25,10 @@ from typing import Any
 import torch
 
 from mtp_train.eval.assemble import EvalContext, assemble_report
+from mtp_train.eval.loading import baseline_path, draft_vocab, eval_prompts, load_eval, other_drafter
 from mtp_train.eval.lossless import LosslessCheck, check_lossless, check_name, summarize
 from mtp_train.eval.metrics import LosslessVerdict, PointTiming, RequestTrace, sweep_point
-from mtp_train.eval.prompts import EvalPrompt, load_prompt_set, render_prompt
+from mtp_train.eval.prompts import EvalPrompt
 from mtp_train.eval.render import keep_previous, write_report
 from mtp_train.eval.report import FILES, Comparison, Report, SweepPoint, load_report
 from mtp_train.eval.samples import pick_samples
@@ -43,7 +44,6 @@ from mtp_train.runtime.sequence import Sequence, Status
 from mtp_train.runtime.drafters import Drafter, HeadDrafter
 from mtp_train.runtime.speculative import SpeculativeDecoder
 from mtp_train.threads import set_threads, warn_if_oversubscribed
-from mtp_train.train.checkpoint import load_trained_head
 from mtp_train.features.manifest import target_fingerprint, text_fingerprint
 
 
@@ -84,7 +84,7 @@ def _draft_id(recipe: Recipe) -> str:
 def run_eval(recipe: Recipe, baseline: Path | None = None) -> Path:
     """Evaluate, write the report, and return the report directory; skipped when it is complete and matches."""
     out = recipe.eval_dir
-    baseline = _baseline(recipe, baseline)
+    baseline = baseline_path(recipe, baseline)
     draft_id = _draft_id(recipe)
     key = _fingerprint(recipe, draft_id)
     done = out / FILES["json"]
@@ -105,12 +105,11 @@ def _evaluate(recipe: Recipe, key: str, old: Report | None, baseline: Path | Non
     start = time.perf_counter()
     set_threads(recipe.threads)
     torch.manual_seed(recipe.seed)
-    engine, drafter, head_validation = _load(recipe)
+    engine, drafter, head_validation, others = load_eval(recipe)
     mode = drafter.name  # draft_target, mtp or eagle
     leader = engine.tp.is_leader  # under TP every rank decodes; the leader drafts, decides and writes
     prompts, token_ids, skipped, tokenizer = eval_prompts(recipe, engine)
     e = recipe.eval
-    others = {name: _load_other(recipe, engine, name) for name in e.compare}
     if leader:
         print(f"eval: {mode}, {len(prompts)} prompts from {', '.join(e.prompt_sets)}, k={e.k}, T={e.temperatures}, "
               f"batch {e.batch_size}", file=sys.stderr)
@@ -164,148 +163,9 @@ def rerender(recipe: Recipe, baseline: Path | None = None) -> Path:
     path = recipe.eval_dir / FILES["json"]
     if not path.is_file():
         raise UserError(f"{path} not found; run `mtp-train eval` first")
-    paths = write_report(load_report(path), path.parent, _baseline(recipe, baseline))
+    paths = write_report(load_report(path), path.parent, baseline_path(recipe, baseline))
     print(f"report: {paths['html']}", file=sys.stderr)
     return path.parent
-
-
-# -- loading -----------------------------------------------------------------------------------------------
-
-
-def _baseline(recipe: Recipe, given: Path | None) -> Path | None:
-    """The report to compare against (``--baseline``, else ``eval.baseline``), read once up front: a file that is
-    not a report stops the stage before it decodes or writes anything, with a line that names where it came from."""
-    path, source = (given, "--baseline") if given is not None else (recipe.eval.baseline, "eval.baseline")
-    if path is not None:
-        try:
-            load_report(path)
-        except UserError as e:
-            raise UserError(f"{source} {e}; give the report.json of an earlier eval") from None
-    return path
-
-
-def _load(recipe: Recipe) -> tuple[Engine, Drafter, Any]:
-    from mtp_train.models.checkpoint import load_transformer
-    from mtp_train.runtime.device import default_device, resolve_dtype
-    from mtp_train.runtime.drafters import DraftModelDrafter
-    from mtp_train.models.tp import init_tensor_parallel
-
-    device = default_device()
-    dtype = resolve_dtype(recipe.target.dtype, device)
-    tp = init_tensor_parallel(recipe.target.tp, device)  # under torchrun --nproc_per_node TP
-    engine = Engine.from_pretrained(recipe.target.path, dtype=dtype, device=device, tp=tp,
-                                    max_seqs=recipe.eval.batch_size)
-    if recipe.eval.draft_model is not None:
-        draft = load_transformer(recipe.eval.draft_model, dtype=dtype, device=device)
-        return engine, DraftModelDrafter(engine, draft), None
-    vocab = draft_vocab(recipe, engine.cfg.vocab_size)
-    if recipe.eval.draft == "target_mtp":
-        return engine, HeadDrafter(engine, _target_mtp(recipe, engine), "target_mtp", vocab), None
-
-    from mtp_train.train.objective import loss_weights
-    from mtp_train.features.reader import FeatureReader
-
-    root = recipe.head_dir()
-    head = load_trained_head(root, recipe.target.path, engine.cfg)
-    drafter = HeadDrafter(engine, head, vocab=vocab)
-    trainer_numbers = json.loads((root / "config.json").read_text()).get("validation", {})
-    reader = FeatureReader(recipe.features_dir, target=recipe.target.path)  # its shards checked now, read at the end
-
-    def head_validation() -> dict[str, Any]:
-        from mtp_train.eval.validation import runtime_validation
-
-        ours = runtime_validation(engine, drafter, reader, loss_weights(recipe))
-        return {"runtime": ours, "trainer": trainer_numbers}
-
-    return engine, drafter, head_validation
-
-
-def eval_prompts(recipe: Recipe, engine: Engine) -> tuple[list[EvalPrompt], list[list[int]], int, Any]:
-    """The prompts that fit the target's positions, their token ids, how many did not fit, the tokenizer."""
-    from mtp_train.data.tokenizer import load_tokenizer
-
-    tokenizer = load_tokenizer(recipe)
-    e = recipe.eval
-    prompts: list[EvalPrompt] = []
-    for name in e.prompt_sets:
-        kwargs: dict[str, Any] = {}
-        if name == "heldout":
-            kwargs = _heldout(recipe)
-        prompts += load_prompt_set(name, max_prompts=e.max_prompts, seed=recipe.seed, **kwargs)
-    room = engine.cfg.max_positions - e.max_new_tokens - max(e.k) - 2
-    kept, ids, skipped = [], [], 0
-    for p in prompts:
-        tokens = render_prompt(tokenizer, p.messages)
-        if len(tokens) > room:  # would not fit the target's positions with the answer
-            skipped += 1
-            continue
-        kept.append(p)
-        ids.append(tokens)
-    if not kept:
-        raise UserError(f"eval.prompt_sets: no prompt fits the target's {engine.cfg.max_positions} positions with "
-                        f"eval.max_new_tokens={e.max_new_tokens}")
-    return kept, ids, skipped, tokenizer
-
-
-def _heldout(recipe: Recipe) -> dict[str, Any]:
-    """The rows training never saw: the manifest's held-out ids, read from the recipe's data."""
-    from mtp_train.data.dataset import load_rows
-    from mtp_train.features.manifest import load_manifest
-
-    manifest_file = recipe.features_dir / "manifest.json"
-    if not manifest_file.is_file():
-        raise UserError(f"{manifest_file} not found; the `heldout` prompt set needs `mtp-train precompute` first")
-    ids = load_manifest(manifest_file).heldout_row_ids
-    if not ids:
-        raise UserError("eval.prompt_sets: `heldout` needs data.heldout_rows > 0 at precompute time")
-    wanted = set(ids)
-    d = recipe.data
-    rows = [r for r in load_rows(d.train, d.format, d.skip_bad_rows, d.max_rows).rows if r.row_id in wanted]
-    return {"heldout_rows": rows, "heldout_ids": ids}
-
-
-def _load_other(recipe: Recipe, engine: Engine, name: str):
-    """What a comparison draft needs: another trained head kind, or for the bigram baseline its successor table
-    from the training features."""
-    from mtp_train.runtime.drafters import BigramDrafter
-    from mtp_train.features.reader import FeatureReader
-
-    if name == "bigram":
-        reader = FeatureReader(recipe.features_dir, target=recipe.target.path)
-        tokens = [reader.load(ref)["input_ids"] for ref in reader.train]
-        return BigramDrafter.from_tokens(tokens, engine.cfg.vocab_size)
-    if name == "target_mtp":
-        return _target_mtp(recipe, engine)
-    root = recipe.head_dir(name)
-    if not (root / "model.safetensors").is_file():
-        raise UserError(f"eval.compare: no trained {name!r} head in {root}; run `mtp-train train` with it first")
-    return load_trained_head(root, recipe.target.path, engine.cfg)
-
-
-def _other_drafter(engine: Engine, name: str, loaded, vocab: torch.Tensor | None) -> Drafter:
-    """A comparison draft from what ``_load_other`` loaded; heads draft from ``vocab`` (``eval.draft_vocab``)."""
-    from mtp_train.runtime.drafters import BigramDrafter
-
-    return BigramDrafter(engine, loaded) if name == "bigram" else HeadDrafter(engine, loaded, name, vocab)
-
-
-def draft_vocab(recipe: Recipe, vocab_size: int) -> torch.Tensor | None:
-    """``[N]`` ascending target ids of the ``eval.draft_vocab`` most frequent assistant tokens (``loss_mask`` 1) of
-    the training features, ties to the smaller id; None for the full vocabulary."""
-    from mtp_train.train.vocab import frequent_tokens
-    from mtp_train.features.reader import FeatureReader
-
-    n = recipe.eval.draft_vocab
-    if n is None or n >= vocab_size:
-        return None
-    return frequent_tokens(FeatureReader(recipe.features_dir, target=recipe.target.path), n, vocab_size)
-
-
-def _target_mtp(recipe: Recipe, engine: Engine):
-    """The target checkpoint's own (first) MTP layer as a head."""
-    from mtp_train.train.checkpoint import load_target_mtp
-
-    return load_target_mtp(recipe.target.path, engine.cfg, target_fingerprint(recipe.target.path))
 
 
 # -- decoding ----------------------------------------------------------------------------------------------
@@ -336,7 +196,7 @@ def _comparisons(recipe: Recipe, engine: Engine, drafter: Drafter, others: dict[
     own = isinstance(drafter, HeadDrafter) and not drafter.own_vocab  # (an eagle3 head's vocabulary is its own)
     vocab = drafter.vocab if own else draft_vocab(recipe, engine.cfg.vocab_size)
     for name in recipe.eval.compare:
-        other = _other_drafter(engine, name, others[name], vocab)
+        other = other_drafter(engine, name, others[name], vocab)
         points = _sweep(engine, other, prompts, token_ids, plain, recipe.eval.k, checks)
         comparisons.append(Comparison(name=name, sweep=points))
     return comparisons

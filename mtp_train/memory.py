@@ -1,6 +1,6 @@
 """What one rank holds on its GPU in each stage, computed from the target's config and the recipe (``--dry-run``).
 
-- **precompute / eval** (the runtime): this rank's share of the target's weights (for DeepSeek: MLA's latent
+- **precompute** (the runtime): this rank's share of the target's weights (for DeepSeek: MLA's latent
   projections replicated and its heads split; every routed expert on every rank, sliced by channel; the router in
   float32); activations of a ``precompute.batch_tokens`` scoring batch (estimated from the shapes: the residual
   stream and the captured layers, the attention's projections, the MLP's or the experts', and the lm_head's chunk
@@ -8,31 +8,31 @@
   told as token slots of the runtime's own pool (for MLA one latent per token and layer, on every rank).
 - **train**: the frozen embedding, final norm and lm_head (fp32); the head's weights and gradients (fp32) and
   AdamW's two moments, partitioned over the ranks under DeepSpeed ZeRO; the batch's features; the activations
-  that autograd keeps for ``train.unroll`` steps over ``train.batch_tokens`` tokens, **measured** by running the
-  head's forward on the meta device (no memory, no arithmetic) and counting what autograd saves, with attention
-  keeping what a flash kernel keeps (linear in the tokens; an MLA head's attention runs SDPA's math kernel, whose
-  saved scores grow with the square of each document's length, bounded by ``data.max_length``); and the chunked
-  vocabulary loss's bound.
+  that autograd keeps for ``train.unroll`` steps over ``train.batch_tokens`` tokens, **measured** on the meta
+  device (``mtp_train.head_memory``); and the chunked vocabulary loss's bound.
+- **eval**: the precompute terms, the drafts' weights (whole, on the leader), and one KV budget that the target's
+  pool shares with the drafts' pools (``mtp_train.eval.loading.kv_share``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from mtp_train.heads import build_head, head_spec
-from mtp_train.heads.eagle3 import aux_layers_for
+from mtp_train.head_memory import head_parameter_count, train_activation_bytes
 from mtp_train.models.config import ModelConfig
 from mtp_train.recipe import Recipe
 from mtp_train.runtime.engine import LOGITS_CHUNK
 from mtp_train.runtime.kv_cache import KVPool
 from mtp_train.train.loss import CHUNK_BYTES
-from mtp_train.train.vocab import draft_vocab_size
 from mtp_train.features.layers import stored_layers
 
 GIB = 2**30
-H100_BYTES = 80 * 10**9  # an H100 80 GB reports about 79.1 GiB
+# An H100 80 GB's memory as torch.cuda.mem_get_info reports it, the total the runtime applies
+# target.gpu_memory_fraction to (kv_budget): one number for the plan and the runtime.
+H100_BYTES = int(79.2 * 2**30)
 TRAIN_RANKS = 8  # one 8xH100 node: ZeRO partitions the optimizer over this many ranks
 
 
@@ -183,147 +183,36 @@ def _mla_kernel_bytes(cfg: ModelConfig, tp: int, longest: int) -> int:
     return heads * longest * (2 * key + m.kv_lora_rank) * 4 + 2 * heads * longest * longest * 4
 
 
-class _FlashSaves(torch.autograd.Function):
-    """Attention that keeps for backward what a flash kernel keeps: q, k, v, the output and the log-sum-exp
-    (on the meta device SDPA falls back to the math kernel, which would also keep the whole score matrix)."""
-
-    @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(q)
-        ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:2], dtype=torch.float32))
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        raise NotImplementedError  # only ever run forward, to count what it saves
-
-
-class _FlashLikeAttention:
-    """The head's attention plan for counting (``attend(q [T, Hq, D], k, v [T, Hkv, D])``)."""
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache=None, v_cache=None) -> torch.Tensor:
-        return _FlashSaves.apply(q, k, v)
-
-
 def _stored(recipe: Recipe, cfg: ModelConfig) -> int:
     """Layers precompute captures per token (``precompute.layers``, and an eagle3 head's)."""
     return len(stored_layers(recipe, cfg))
 
 
-def _plan_spec(recipe: Recipe, cfg: ModelConfig):
-    """The head the trainer would build for ``recipe`` (an eagle3 head's aux layers and draft vocabulary included)."""
-    eagle3 = recipe.head.kind == "eagle3"
-    return head_spec(recipe.head.kind, recipe.head.num_layers, cfg, "plan", recipe.head.convention,
-                     tuple(aux_layers_for(recipe.head.aux_layers, cfg)) if eagle3 else (),
-                     draft_vocab_size(recipe.head.draft_vocab, cfg.vocab_size) if eagle3 else 0)
+def eval_heads(recipe: Recipe) -> list[str]:
+    """The head kinds the eval drafts with: its own head (unless it drafts with a draft model or the target's own
+    MTP layer) and the ``eval.compare`` heads (the bigram has no head)."""
+    own = [recipe.head.kind] if recipe.eval.draft_model is None and recipe.eval.draft == "head" else []
+    return own + [k for k in recipe.eval.compare if k not in ("bigram", "target_mtp")]
 
 
-def head_activation_bytes_per_token(recipe: Recipe, cfg: ModelConfig) -> int:
-    """Bytes autograd saves per token for one unrolled step of the head, counted on the meta device (for MLA the
-    linear term of ``head_activation_terms``)."""
-    if cfg.mla is not None:
-        return head_activation_terms(recipe, cfg)[0]
-    tokens = 1024
-    spec = _plan_spec(recipe, cfg)
-    with torch.device("meta"):
-        head = build_head(spec)
-        embeds, hidden = torch.empty(tokens, cfg.hidden_size), torch.empty(tokens, cfg.hidden_size)
-        positions = torch.arange(tokens)
-    params = {id(p) for p in head.parameters()}
-    saved = 0
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal saved
-        if id(t) not in params and id(t._base) not in params:
-            saved += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        head.run(embeds, hidden, positions, _FlashLikeAttention(), [(None, None)] * len(head.layers))
-    return saved // tokens
-
-
-def _balanced_bincount(ids: torch.Tensor, minlength: int = 0) -> torch.Tensor:
-    """``torch.bincount`` for counting on the meta device, which has no kernel for it (and no values to route by):
-    the (token, choice) pairs spread evenly over the experts. What autograd keeps does not depend on the spread
-    (every pair saves the same; an expert's tensors are slices of shared ones), only on the number of pairs."""
-    n = ids.numel()
-    return torch.tensor([n // minlength + (e < n % minlength) for e in range(minlength)])
-
-
-def mla_head_saved_bytes(recipe: Recipe, cfg: ModelConfig, cu_seqlens: list[int], device: str = "meta") -> int:
-    """Bytes autograd keeps for one step of an MLA head over packed documents ``cu_seqlens``, with the attention
-    the trainer runs (``DocumentCausalAttention``): the storages of the saved tensors still held when the forward
-    ends, each once (a view shares its base's bytes; a temporary whose graph was dropped holds nothing). A head
-    with experts (``HeadSpec.moe``) routes evenly on the meta device (``_balanced_bincount``)."""
-    import contextlib
-    import weakref
-    from unittest import mock
-
-    from mtp_train.heads.attention import DocumentCausalAttention
-
-    tokens = cu_seqlens[-1]
-    spec = _plan_spec(recipe, cfg)
-    with torch.device(device):
-        head = build_head(spec)
-        embeds, hidden = torch.randn(tokens, cfg.hidden_size), torch.randn(tokens, cfg.hidden_size)
-        positions = torch.cat([torch.arange(e - s) for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:])])
-    params = {p.untyped_storage()._cdata for p in head.parameters()}
-    saved: list[weakref.ref] = []
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved.append(weakref.ref(t))
-        return t
-
-    routing = mock.patch.object(torch, "bincount", _balanced_bincount) if device == "meta" else contextlib.nullcontext()
-    with routing, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        plan = DocumentCausalAttention(cu_seqlens)
-        out = head.run(embeds, hidden, positions, plan, [(None, None)] * len(head.layers))
-    kept: dict[int, int] = {}
-    for ref in saved:
-        t = ref()
-        if t is not None and t.untyped_storage()._cdata not in params:
-            kept[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
-    del out
-    return sum(kept.values())
-
-
-def head_activation_terms(recipe: Recipe, cfg: ModelConfig) -> tuple[int, int]:
-    """What one unrolled step of the head keeps: ``(bytes per token, bytes per squared token of a document)``.
-
-    Llama families: the second term is 0, attention keeping what a flash kernel keeps. MLA: SDPA has no fused
-    kernel for the head's latent attention (one 576-wide key head shared by every query head, a 512-wide value:
-    wider than FlashAttention's 256, and with GQA, which the memory-efficient kernel does not take; on CPU and
-    meta it runs the math kernel), so the math kernel's saves are counted, measured on the meta device: the scaled
-    query, the key and value expanded to every head, and each document's ``[heads, L, L]`` softmax. Measured at
-    two lengths of one document, ``saved(L) = a L + b L^2`` gives both terms exactly. (If a GPU's SDPA does run
-    a fused kernel for these shapes, the second term is an overestimate.)"""
-    if cfg.mla is None:
-        return head_activation_bytes_per_token(recipe, cfg), 0
-    n = 512
-    one, two = mla_head_saved_bytes(recipe, cfg, [0, n]), mla_head_saved_bytes(recipe, cfg, [0, 2 * n])
-    quadratic = (two - 2 * one) // (2 * n * n)
-    return (one - quadratic * n * n) // n, quadratic
-
-
-def train_activation_bytes(recipe: Recipe, cfg: ModelConfig) -> int:
-    """What autograd keeps for ``train.unroll`` steps over ``train.batch_tokens`` tokens; for MLA the documents'
-    squared lengths are bounded by ``batch_tokens x`` the longest document (``data.max_length``):
-    ``sum L_i^2 <= max L x sum L_i``."""
-    tr = recipe.train
-    linear, quadratic = head_activation_terms(recipe, cfg)
-    longest = min(recipe.data.max_length, tr.batch_tokens)
-    return tr.unroll * (tr.batch_tokens * linear + quadratic * tr.batch_tokens * longest)
-
-
-def head_parameter_count(recipe: Recipe, cfg: ModelConfig) -> int:
-    """The head's parameters, counted on the meta device from the module the trainer builds: its decoder layer(s)
-    of the target's attention (MLA for DeepSeek) with the MLP its ``HeadSpec`` asks for (the target's dense MLP of
-    ``intermediate_size``, or its experts where ``head_spec`` sets ``moe``), plus the kind's own parts (``mtp``:
-    enorm, hnorm, eh_proj, shared_head.norm)."""
-    spec = _plan_spec(recipe, cfg)
-    with torch.device("meta"):
-        return sum(p.numel() for p in build_head(spec).parameters())
+def eval_plan(cfg: ModelConfig, recipe: Recipe, gpu_bytes: int, scoring: int) -> StagePlan:
+    """The eval's bytes on the leader rank: the target's share of the weights, the drafts' weights (whole: the
+    leader holds them), activations, and one KV budget that the target's pool shares with the drafts' pools (each
+    holds a slot for every slot of the target's; ``mtp_train.eval.loading.kv_share``)."""
+    t = recipe.target
+    itemsize = _dtype_bytes(t.dtype)
+    weights = target_weight_bytes(cfg, t.tp, itemsize)
+    kinds = eval_heads(recipe)
+    heads = sum(head_parameter_count(recipe, cfg, kind) for kind in kinds) * itemsize
+    kv = int(t.kv_cache_gb * GIB) if t.kv_cache_gb is not None else max(
+        0, int(t.gpu_memory_fraction * gpu_bytes) - weights - heads)
+    target_slot = kv_bytes_per_token(cfg, t.tp, itemsize)
+    draft_slots = sum(kv_bytes_per_token(dataclasses.replace(cfg, num_layers=recipe.head.num_layers), 1, itemsize)
+                      for kind in kinds)
+    slots = kv // (target_slot + draft_slots)
+    note = (f"KV {slots:,} token slots, shared by the target and {len(kinds)} head(s) ({', '.join(kinds) or 'none'}): "
+            f"{slots // max(1, recipe.eval.batch_size):,} per sequence of a batch of {recipe.eval.batch_size}")
+    return StagePlan("eval", {"weights": weights, "heads": heads, "activations": scoring, "KV": kv}, gpu_bytes, note)
 
 
 def memory_plan(cfg: ModelConfig, recipe: Recipe, gpu_bytes: int = H100_BYTES) -> list[StagePlan]:
@@ -341,8 +230,7 @@ def memory_plan(cfg: ModelConfig, recipe: Recipe, gpu_bytes: int = H100_BYTES) -
     runtime_note = (f"KV {slots:,} token slots{latent}: a {recipe.precompute.batch_tokens:,}-token scoring batch "
                     f"{'fits' if slots >= recipe.precompute.batch_tokens else 'DOES NOT FIT'}, "
                     f"{slots // max(1, longest)} sequences of {longest:,} tokens at once")
-    runtime = StagePlan("precompute/eval", {"weights": weights, "activations": scoring, "KV": kv}, gpu_bytes,
-                        runtime_note)
+    runtime = StagePlan("precompute", {"weights": weights, "activations": scoring, "KV": kv}, gpu_bytes, runtime_note)
 
     tr = recipe.train
     head_params = head_parameter_count(recipe, cfg)
@@ -359,12 +247,12 @@ def memory_plan(cfg: ModelConfig, recipe: Recipe, gpu_bytes: int = H100_BYTES) -
                       gpu_bytes, f"{tr.unroll} unrolled steps x {tr.batch_tokens:,} tokens (fp32 activations"
                                  f"{'; bf16 autocast keeps less' if tr.mixed_precision == 'bf16' else ''}"
                                  f"{mla_scores}), AdamW over {zero} rank(s)")
-    return [runtime, train]
+    return [runtime, train, eval_plan(cfg, recipe, gpu_bytes, scoring)]
 
 
 def plan_lines(cfg: ModelConfig, recipe: Recipe, gpu_bytes: int = H100_BYTES) -> list[str]:
     plans = memory_plan(cfg, recipe, gpu_bytes)
-    return [f"memory per rank (GiB) on an {gpu_bytes / 10**9:.0f} GB GPU, from the target's config:"] + [
+    return [f"memory per rank (GiB) of {gpu_bytes / GIB:.1f} GiB (an H100 80 GB), from the target's config:"] + [
         p.line() for p in plans]
 
 

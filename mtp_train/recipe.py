@@ -63,13 +63,14 @@ class TargetConfig(Section):
         False, description="Allow the tokenizer's custom Python code to run. Off unless you trust the checkpoint."
     )
     kv_cache_gb: PositiveFloat | None = Field(
-        None, description="The target's KV cache per rank, in GiB. Unset: 0.5 on CPU; on CUDA, what "
-        "`gpu_memory_fraction` of the GPU leaves once the weights are loaded. A draft adds its own K/V in "
-        "proportion to its size (a one-layer head on a 32-layer target: 1/32 more)."
+        None, description="The KV cache per rank, in GiB. Unset: 0.5 on CPU; on CUDA, what "
+        "`gpu_memory_fraction` of the GPU leaves once the weights are loaded. In the eval the drafts' K/V pools "
+        "share it with the target's in proportion to their layers (a one-layer head on a 32-layer target: 1/33)."
     )
     gpu_memory_fraction: float = Field(
         0.9, gt=0.0, le=1.0, description="On CUDA, with `kv_cache_gb` unset: the share of the GPU's memory that "
-        "the weights and the KV cache may fill together; the rest is left for activations and the draft."
+        "the weights (the target's and, in the eval, the drafts') and the KV cache may fill together; the rest is "
+        "left for activations."
     )
 
 

@@ -164,7 +164,7 @@ def test_samples_dry_run_against_their_real_model_configs(tmp_path):
                    f"data.train={tmp_path / 'data.jsonl'}", "--dry-run")
     assert proc.returncode == 0, proc.stderr
     memory = proc.stdout.split("memory per rank")[1].split("disk for")[0].splitlines()[1:]
-    assert len(memory) == 2 and all(f"# {line}\n" in (REPO / "recipes/llama3.3-70b.yaml").read_text() for line in memory)
+    assert len(memory) == 3 and all(f"# {line}\n" in (REPO / "recipes/llama3.3-70b.yaml").read_text() for line in memory)
     assert_one_line_user_error(
         run_cli(REPO / "recipes/llama3.3-70b.yaml", f"target.path={tmp_path}", "target.tp=16", "--dry-run"),
         "16 does not divide the target's 8 KV heads",

@@ -91,7 +91,7 @@ def test_the_deepseek_v2_lite_recipe_dry_runs_from_its_shipped_config(tmp_path):
     proc = run_cli(recipe, f"target.path={tmp_path}", f"data.train={tmp_path / 'data.jsonl'}", "--dry-run")
     assert proc.returncode == 0, proc.stderr
     memory = proc.stdout.split("memory per rank")[1].split("disk for")[0].splitlines()[1:]
-    assert len(memory) == 2 and all(f"# {line}\n" in recipe.read_text() for line in memory)
+    assert len(memory) == 3 and all(f"# {line}\n" in recipe.read_text() for line in memory)
     assert "token slots of 31,104 B (MLA latent 512+64 x 27 layers, on every rank)" in memory[0]
     assert all("fits" in line and "DOES NOT FIT" not in line for line in memory), memory
 

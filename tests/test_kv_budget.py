@@ -66,3 +66,22 @@ def test_speculation_leaves_the_target_its_whole_capacity():
     plain = engine.generate([prompt], params)[0].tokens
     out = SpeculativeDecoder(engine, HeadDrafter(engine, _head(engine)), 3).generate([prompt], params)
     assert out[0].tokens == plain
+
+
+def test_the_eval_shares_one_budget_between_the_target_and_its_drafts():
+    """The eval's target pool and its drafts' pools (a slot each for every slot of the target's) fit the budget
+    together: the target takes its bytes per slot over everyone's."""
+    from mtp_train.eval.loading import kv_share
+
+    engine = Engine.from_pretrained(TINY_TARGET, num_pages=4)
+    heads = [_head(engine), _head(engine)]
+    budget = 64 * 2**20
+    share = kv_share(budget, engine.cfg, torch.float32, 1, [*heads, torch.zeros(3)])  # a bigram table has no pool
+    shared = Engine(engine.model, kv_bytes=share, small_batch_layout=False)
+    drafters = [HeadDrafter(shared, head) for head in heads]
+    pools = [shared.kv, *(d.kv for d in drafters)]
+    used = sum(p.k.numel() * p.k.element_size() + p.v.numel() * p.v.element_size() for p in pools)
+    cfg = engine.cfg
+    page = shared.allocator.page_size * (cfg.num_layers + 2) * cfg.num_kv_heads * 2 * cfg.head_dim * 4  # all pools
+    assert budget - page < used <= budget  # within a page of the budget, never over it
+    assert share == budget * cfg.num_layers // (cfg.num_layers + 2)  # two one-layer heads

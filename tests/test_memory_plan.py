@@ -12,9 +12,9 @@ import pytest
 
 from conftest import REPO, TINY_RECIPE, TINY_TARGET
 from hf_models import save_random_model
-from mtp_train.memory import (H100_BYTES, head_activation_bytes_per_token, head_activation_terms,
-                              head_parameter_count, kv_bytes_per_token, memory_plan, mla_head_saved_bytes, plan_lines,
-                              target_weight_bytes)
+from mtp_train.head_memory import (head_activation_bytes_per_token, head_activation_terms, head_parameter_count,
+                                   mla_head_saved_bytes)
+from mtp_train.memory import H100_BYTES, kv_bytes_per_token, memory_plan, plan_lines, target_weight_bytes
 from mtp_train.models.config import ModelConfig
 from mtp_train.recipe import load_recipe
 
@@ -79,7 +79,7 @@ def test_the_big_recipes_state_the_plan_the_code_computes_and_fit():
 def test_a_batch_too_large_for_the_gpu_is_reported():
     recipe = load_recipe(REPO / "recipes" / "llama3.1-8b.yaml", ["train.batch_tokens=65536", "train.grad_accum=1"])
     cfg = _config(CONFIGS / "llama-3.1-8b.json")
-    runtime, train = memory_plan(cfg, recipe, H100_BYTES)
+    runtime, train, _ = memory_plan(cfg, recipe, H100_BYTES)
     assert runtime.fits and not train.fits
     assert "DOES NOT FIT" in train.line() and train.parts["activations"] > 80 * 2**30
 
@@ -87,8 +87,8 @@ def test_a_batch_too_large_for_the_gpu_is_reported():
 def test_the_dry_run_prints_the_plan(cli):
     proc = cli(TINY_RECIPE, "--dry-run")
     assert proc.returncode == 0, proc.stderr
-    lines = [l for l in proc.stdout.splitlines() if re.match(r"\s+(precompute/eval|train)\s", l)]
-    assert len(lines) == 2 and all("fits" in l for l in lines)
+    lines = [l for l in proc.stdout.splitlines() if re.match(r"\s+(precompute|train|eval)\s", l)]
+    assert len(lines) == 3 and all("fits" in l for l in lines)
 
 
 @pytest.fixture(scope="module", params=["deepseek_v2", "deepseek_v3"])
@@ -179,3 +179,16 @@ def test_the_memory_module_plans_a_deepseek_recipe_from_its_config_alone(capsys)
     assert main([str(REPO / "recipes" / "deepseek-v2-lite.yaml"), str(V2_LITE)]) == 0
     out = capsys.readouterr().out
     assert "weights 29.3 " in out and "31,104 B (MLA latent 512+64 x 27 layers" in out and "DOES NOT FIT" not in out
+
+
+def test_the_eval_counts_its_drafts_weights_and_pools_inside_one_budget():
+    """At 70B the eval's heads and their K/V pools come out of the same budget as the target's KV, on the leader."""
+    recipe = load_recipe(REPO / "recipes" / "llama3.3-70b.yaml", ["eval.compare=[eagle, bigram]"])
+    cfg = _config(CONFIGS / "llama-3.3-70b.json")
+    precompute, _, evaluation = memory_plan(cfg, recipe, H100_BYTES)
+    heads = (head_parameter_count(recipe, cfg, "mtp") + head_parameter_count(recipe, cfg, "eagle")) * 2
+    assert evaluation.parts["heads"] == heads > 2**30
+    assert evaluation.parts["KV"] == precompute.parts["KV"] - heads  # one budget: fraction x GPU - weights - heads
+    assert evaluation.fits and evaluation.total <= precompute.total
+    assert "shared by the target and 2 head(s) (mtp, eagle)" in evaluation.line()
+    assert H100_BYTES == int(79.2 * 2**30)  # what mem_get_info reports, the runtime's base for gpu_memory_fraction

@@ -184,7 +184,7 @@ def test_a_draft_vocabulary_keeps_decoding_lossless(prompts, reference, trained_
 
 
 def test_the_draft_vocabulary_is_the_most_frequent_assistant_tokens(trained_run):
-    from mtp_train.eval.run import draft_vocab
+    from mtp_train.eval.loading import draft_vocab
     from mtp_train.recipe import load_recipe
     from mtp_train.features.reader import FeatureReader
 
