@@ -245,7 +245,7 @@ def memory_plan(cfg: ModelConfig, recipe: Recipe, gpu_bytes: int = H100_BYTES) -
     train = StagePlan("train", {"frozen": frozen, "head+grads+AdamW": head_params * 4 + grads + head_params * 8 // zero,
                                 "features": features, "activations": activations, "loss": 4 * CHUNK_BYTES},
                       gpu_bytes, f"{tr.unroll} unrolled steps x {tr.batch_tokens:,} tokens (fp32 activations"
-                                 f"{'; bf16 autocast keeps less' if tr.mixed_precision == 'bf16' else ''}"
+                                 f"{'; bf16 autocast keeps less' if tr.mixed_precision != 'no' else ''}"
                                  f"{mla_scores}), AdamW over {zero} rank(s)")
     return [runtime, train, eval_plan(cfg, recipe, gpu_bytes, scoring)]
 

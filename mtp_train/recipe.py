@@ -181,7 +181,9 @@ class TrainConfig(Section):
     epochs: PositiveFloat = Field(1.0, description="Passes over the training features.")
     batch_tokens: PositiveInt = Field(8192, description="Tokens per micro-batch per process.")
     grad_accum: PositiveInt = Field(1, description="Micro-batches per optimizer step.")
-    mixed_precision: Literal["no", "bf16"] = Field("no", description="`bf16` autocast for the head (GPU); `no` is fp32.")
+    mixed_precision: Literal["auto", "no", "bf16"] = Field(
+        "auto", description="`bf16`: bf16 autocast over the head, the frozen lm_head and the loss; `no`: fp32 (with "
+        "TF32 matmuls on CUDA); `auto`: bf16 on CUDA, fp32 on CPU.")
     grad_clip: PositiveFloat = Field(1.0, description="Clip the global gradient norm to this value.")
     unroll: PositiveInt = Field(1, description="Unrolled draft steps; step j feeds on the head's own step j-1 output.")
     unroll_decay: float = Field(0.8, gt=0.0, le=1.0, description="Loss weight of unrolled step j is `decay**j`.")

@@ -87,9 +87,12 @@ def test_training_places_everything_on_the_gpu(small_run, monkeypatch):
 
     from mtp_train.train.trainer import run_train
 
+    from accelerate.state import AcceleratorState
+
     recipe, original, out = _copy(small_run, "train_on_gpu")
     shutil.copytree(original / "features", out / "features")
-    with fake_cuda(monkeypatch):
+    AcceleratorState._reset_state(reset_partial_state=True)  # this process trained in fp32 on the CPU before
+    with fake_cuda(monkeypatch):  # train.mixed_precision: auto is bf16 on CUDA
         head = run_train(recipe)
     assert (head / "model.safetensors").is_file()
 

@@ -48,8 +48,9 @@ def run_train_cli(recipe, *overrides, crash_at=None, launcher=None, timeout=600)
         env["MTP_TRAIN_CRASH_AT"] = crash_at
     cmd = [sys.executable, "-m", "mtp_train.cli", "train", str(recipe), *overrides]
     if launcher == "deepspeed":  # ZeRO-2 over gloo on 2 CPU processes
+        precision = "bf16" if "train.mixed_precision=bf16" in overrides else "no"
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--zero_stage", "2",
-               "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               "--num_processes", "2", "--num_machines", "1", "--mixed_precision", precision, "--dynamo_backend", "no",
                "-m", "mtp_train.cli", "train", str(recipe), "train.engine=deepspeed", "train.zero_stage=2", *overrides]
     elif launcher:
         env["ACCELERATE_USE_CPU"] = "1"
@@ -291,3 +292,22 @@ def test_head_config_with_another_hidden_size_is_refused(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(UserError, match="not a head config"):
         load_head_config(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", [2, "deepspeed"])
+def test_bf16_trains_under_ddp_and_deepspeed_and_writes_its_head(tmp_path, features, launcher):
+    """``train.mixed_precision: bf16`` on 2 CPU processes (bf16 works on CPU): DDP keeps fp32 weights under bf16
+    autocast; DeepSpeed's bf16 engine holds a bf16 head beside fp32 features and frozen parts, and writes it."""
+    recipe = train_recipe(tmp_path, features, max_steps=4, save_every=2)
+    proc = run_train_cli(recipe, "train.mixed_precision=bf16", launcher=launcher)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    head = tmp_path / "run" / "heads" / "mtp"
+    config = json.loads((head / "config.json").read_text())
+    digests = config["rank_weight_sha256"]
+    assert len(digests) == 2 and digests[0] == digests[1], "the replicas stayed identical"
+    losses = config["validation"]["val_loss"]
+    assert all(0 < loss < 20 for loss in losses), losses
+    weights = load_file(head / "model.safetensors")
+    dtypes = {t.dtype for t in weights.values()}
+    assert dtypes == ({torch.bfloat16} if launcher == "deepspeed" else {torch.float32}), dtypes

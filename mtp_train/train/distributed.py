@@ -42,12 +42,21 @@ class StopRequest:
             signal.signal(sig, handler)
 
 
+def train_precision(recipe: Recipe) -> str:
+    """``train.mixed_precision`` resolved: ``auto`` is ``bf16`` on CUDA and ``no`` (fp32) elsewhere."""
+    precision = recipe.train.mixed_precision
+    return ("bf16" if torch.cuda.is_available() else "no") if precision == "auto" else precision
+
+
 def make_accelerator(recipe: Recipe) -> Accelerator:
-    """The recipe's accelerator: DDP (gloo without CUDA) or DeepSpeed ZeRO, with its mixed precision."""
+    """The recipe's accelerator: DDP (gloo without CUDA) or DeepSpeed ZeRO, with its mixed precision (TF32 matmuls
+    where fp32 remains on CUDA)."""
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
 
-    kwargs: dict[str, Any] = {"mixed_precision": recipe.train.mixed_precision}
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    kwargs: dict[str, Any] = {"mixed_precision": train_precision(recipe)}
     if recipe.train.engine == "deepspeed":
         for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                            "MASTER_PORT": "29511"}.items():

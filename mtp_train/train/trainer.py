@@ -25,7 +25,7 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,7 +46,7 @@ from mtp_train.train.checkpoint import (begin_checkpoint, finish_checkpoint, hea
                                         load_optimizer_shard, save_head, save_optimizer_shard)
 from mtp_train.train.data import Batch, load_batch, plan_batches
 from mtp_train.train.distributed import (EXIT_STOPPED, StopRequest, make_accelerator, optimizer_state,
-                                         restore_optimizer)
+                                         restore_optimizer, train_precision)
 from mtp_train.train.loss import LossWeights, StepMetrics
 from mtp_train.train.objective import heldout_batches, loss_weights, objective, validate
 from mtp_train.train.records import append_record, start_wandb, trim_log
@@ -247,7 +247,8 @@ class Trainer:
         accelerator, model, grad_accum = self.accelerator, self.model, self.recipe.train.grad_accum
         # DeepSpeed counts micro-batches itself (accumulate); DDP skips the all-reduce until the last one.
         with accelerator.accumulate(model) if self.zero else accelerator.no_sync(model) if not last else nullcontext():
-            loss, metrics = objective(self.head, self.frozen, batch, self.weights, forward=model)
+            with self.autocast():
+                loss, metrics = objective(self.head, self.frozen, batch, self.weights, forward=model)
             accelerator.backward(loss if self.zero else loss / grad_accum)  # DeepSpeed divides by itself
         return loss, metrics
 
@@ -276,10 +277,18 @@ class Trainer:
     def validation_due(self) -> bool:
         return self.step % self.recipe.train.val_every == 0 or self.step == self.total
 
+    def autocast(self) -> AbstractContextManager:
+        """bf16 autocast over the head, the frozen lm_head and the loss (``train.mixed_precision: bf16``), whatever
+        holds the weights: DeepSpeed's bf16 engine casts the head to bf16 beside fp32 features and frozen parts."""
+        if train_precision(self.recipe) != "bf16":
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+
     def validate(self) -> dict[str, Any]:
         """The held-out metrics of the head as it is now (the module-level ``validate``'s record)."""
         batches = heldout_batches(self.reader, self.recipe.train.batch_tokens, self.aux)
-        return validate(self.accelerator.unwrap_model(self.model), self.frozen, batches, self.weights)
+        with self.autocast():
+            return validate(self.accelerator.unwrap_model(self.model), self.frozen, batches, self.weights)
 
     def log(self, result: StepResult) -> None:
         """The step's record into the JSONL log and its scalars into wandb (rank 0); the progress line moves on."""
@@ -353,7 +362,8 @@ class Trainer:
 
     def _rank_digests(self) -> list[str]:
         """Every rank's SHA-256 (hex) of its head's weights, so that anyone can check the replicas stayed identical."""
-        digest = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in self.head.parameters())).digest()
+        digest = hashlib.sha256(b"".join(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+                                         for p in self.head.parameters())).digest()  # any dtype, bf16 too
         digests = self.accelerator.gather(torch.tensor(list(digest), dtype=torch.int64, device=self.device))
         return [bytes(d.tolist()).hex() for d in digests.view(self.accelerator.num_processes, -1).cpu()]
 
