@@ -14,6 +14,8 @@ resubmitted by hand. Every SLURM command runs with a timeout.
 
 from __future__ import annotations
 
+import json
+import math
 import re
 import shlex
 import shutil
@@ -84,10 +86,11 @@ class SlurmOptions:
         return 2 if self.cpu else max(1, self.nodes * self.gpus_per_node // recipe.target.tp)
 
 
-def _sbatch_lines(opts: SlurmOptions, gpus: int, cpus: int | None) -> str:
+def _sbatch_lines(opts: SlurmOptions, gpus: int, cpus: int | None, memory: int | None = None) -> str:
     lines = [f"--partition={opts.partition}" if opts.partition else None,
              f"--account={opts.account}" if opts.account else None,
              f"--cpus-per-task={cpus}" if cpus else None,
+             f"--mem={math.ceil(memory / 2**30)}G" if memory else None,
              f"--gres=gpu:{gpus}" if gpus and not opts.cpu else None,
              *opts.extra_sbatch]
     return "\n".join(f"#SBATCH {line}" for line in lines if line)
@@ -105,11 +108,27 @@ def _setup(opts: SlurmOptions, threads: int) -> str:
     return "\n".join(lines)
 
 
+def _host_plans(recipe: Recipe, opts: SlurmOptions) -> dict[str, tuple[int, int]]:
+    """``(cpus, memory)`` of the GPU jobs' nodes from the recipe's plan (``mtp_train.host_plan``; ``--cpus-per-task``
+    wins); none in CPU mode, or where this node cannot read the target's config (then the site's defaults apply)."""
+    config = recipe.target.path / "config.json"
+    if opts.cpu or not config.is_file():
+        return {}
+    from mtp_train.host_plan import eval_host, precompute_host, train_host
+    from mtp_train.models.config import ModelConfig
+
+    cfg = ModelConfig.from_hf(json.loads(config.read_text()), str(config))
+    plans = {"precompute": precompute_host(recipe, cfg), "train": train_host(recipe, cfg, opts.train_procs),
+             "eval": eval_host(recipe)}
+    return {job: (opts.cpus_per_task or plan.cpus, plan.memory) for job, plan in plans.items()}
+
+
 def render(recipe_path: Path, overrides: list[str], recipe: Recipe, opts: SlurmOptions) -> dict[str, str]:
     """The four scripts' text, by job name."""
     opts.check(recipe)
     tp = recipe.target.tp
     cpus = opts.cpus_per_task or (max(1, tp) if opts.cpu else None)
+    hosts = _host_plans(recipe, opts)
     values = {
         "JOB_NAME": opts.job_name or f"mtp-{recipe.output_dir.name}",
         "RECIPE": shlex.quote(str(recipe_path.resolve())),
@@ -125,11 +144,11 @@ def render(recipe_path: Path, overrides: list[str], recipe: Recipe, opts: SlurmO
         "EVAL_TIME": opts.eval_time,
         "SIGNAL_LEAD": str(opts.signal_lead),
         "SRUN_ARGS": f" {opts.srun_args.strip()}" if opts.srun_args.strip() else "",
-        "SBATCH_PRECOMPUTE": _sbatch_lines(opts, tp, cpus),
+        "SBATCH_PRECOMPUTE": _sbatch_lines(opts, tp, *hosts.get("precompute", (cpus, None))),
         "SBATCH_VERIFY": _sbatch_lines(opts, 0, 1 if opts.cpu else opts.cpus_per_task),
-        "SBATCH_TRAIN": _sbatch_lines(opts, opts.gpus_per_node, opts.cpus_per_task or (opts.train_procs if opts.cpu
-                                                                                        else None)),
-        "SBATCH_EVAL": _sbatch_lines(opts, tp, cpus),
+        "SBATCH_TRAIN": _sbatch_lines(opts, opts.gpus_per_node, *hosts.get("train", (
+            opts.cpus_per_task or (opts.train_procs if opts.cpu else None), None))),
+        "SBATCH_EVAL": _sbatch_lines(opts, tp, *hosts.get("eval", (cpus, None))),
     }
     if " " in values["LOG_DIR"]:
         raise UserError(f"output_dir: {recipe.output_dir} has a space, which #SBATCH --output cannot take")

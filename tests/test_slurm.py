@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, TINY_RECIPE, pause_env, paused_processes, resume, run_cli, signal_pending
+from conftest import REPO, TINY_RECIPE, pause_env, paused_processes, resume, run_cli, signal_pending, stand_in_checkpoint
 from precompute_helpers import make_recipe, sgd_rows, shard_contents, write_jsonl
 
 HARNESS = REPO / "tests" / "slurm"
@@ -107,12 +107,9 @@ def test_dry_run_prints_the_scripts_and_the_chained_sbatch_commands(tmp_path):
 
 def test_the_docs_example_for_llama_70b_on_four_8xh100_nodes(tmp_path):
     """The worked example of docs/slurm.md: 4 array tasks with TP 8 on a node each, 32 training ranks, eval on 8 GPUs."""
-    target = tmp_path / "target"  # Llama-3.3-70B's head counts, enough for the checks that need a checkpoint
+    target = tmp_path / "target"  # Llama-3.3-70B's config, without weights
     target.mkdir()
-    (target / "config.json").write_text(json.dumps({"model_type": "llama", "num_attention_heads": 64,
-                                                    "num_key_value_heads": 8}))
-    (target / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "w.safetensors"}}))
-    (target / "w.safetensors").write_bytes(b"")
+    stand_in_checkpoint(target, REPO / "recipes" / "configs" / "llama-3.3-70b.json")
     proc = run_cli("slurm", REPO / "recipes/llama3.3-70b.yaml", f"target.path={target}", f"output_dir={tmp_path}",
                    "--nodes", "4", "--gpus-per-node", "8", "--partition", "gpu", "--account", "myproj", "--time",
                    "48:00:00", "--setup", "module load cuda/12.4", "--venv", "/shared/mtp-train/.venv", "--dry-run")
@@ -122,6 +119,18 @@ def test_the_docs_example_for_llama_70b_on_four_8xh100_nodes(tmp_path):
     assert "#SBATCH --nodes=4\n" in train and "export PROCS_PER_NODE=8\n" in train
     assert "#SBATCH --time=48:00:00\n" in train and "#SBATCH --gres=gpu:8\n" in evaluation
     assert "module load cuda/12.4\nsource /shared/mtp-train/.venv/bin/activate\n" in train
+    # Each GPU job asks for the CPUs and memory of its plan, not the site's defaults (often one CPU).
+    from mtp_train.host_plan import GIB, PROCESS_BYTES, eval_host, precompute_host, train_host
+    from mtp_train.models.config import ModelConfig
+    from mtp_train.recipe import load_recipe
+
+    recipe = load_recipe(REPO / "recipes/llama3.3-70b.yaml", [f"target.path={target}"])
+    cfg = ModelConfig.from_hf(json.loads((target / "config.json").read_text()), "config.json")
+    for script, plan in ((pre, precompute_host(recipe, cfg)), (train, train_host(recipe, cfg, 8)),
+                         (evaluation, eval_host(recipe))):
+        assert f"#SBATCH --cpus-per-task={plan.cpus}\n" in script and f"#SBATCH --mem={-(-plan.memory // GIB)}G\n" \
+            in script, script[:1200]
+        assert plan.cpus >= 8 * 9 and plan.memory >= 8 * PROCESS_BYTES  # 8 processes on each of these nodes
 
 
 def test_cpu_mode_renders_gloo_fp32_scripts(tmp_path):

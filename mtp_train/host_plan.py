@@ -1,0 +1,63 @@
+"""What each SLURM job asks of its node's host: CPUs and memory, from the recipe's plan (``mtp-train slurm``).
+
+Without them, a site's defaults apply, which are often one CPU and a few GiB. Per process (a TP rank of a precompute
+or eval task, a training rank) the plan counts an allowance for the CUDA context, torch, NCCL and Python
+(``PROCESS_BYTES``), and ``threads`` CPUs (``recipe.threads``, else ``THREADS_PER_GPU``) plus one for the loading or
+writing thread beside them. On top come the stage's own bytes:
+
+- **precompute**: the dataset's rows as Python objects (every task reads the data: ``ROWS_PER_FILE_BYTE`` times the
+  files' size), and the shards in flight (the one being scored, the writer's queue, the one being written);
+- **train**: on each rank the frozen embedding and lm_head in fp32 (loaded on the host first) and the batches in
+  flight (the one training, the one the loading thread reads ahead, a validation batch);
+- **eval**: the rows again (the held-out prompts are read from the data), and a small prompt set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mtp_train.features.layers import stored_layers
+from mtp_train.features.space import bytes_per_token
+from mtp_train.models.config import ModelConfig
+from mtp_train.recipe import Recipe
+
+GIB = 2**30
+PROCESS_BYTES = 6 * GIB  # CUDA context and caching host allocator, torch, NCCL buffers, Python
+THREADS_PER_GPU = 8
+ROWS_PER_FILE_BYTE = 10  # a chat dataset as Python objects, over its compressed (gzip) or plain size on disk
+SHARDS_IN_FLIGHT = 4  # scored, queued twice (the writer's queue_depth), being written
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    """A job's node: CPUs and bytes of memory."""
+
+    cpus: int
+    memory: int
+
+
+def _threads(recipe: Recipe) -> int:
+    return recipe.threads or THREADS_PER_GPU
+
+
+def _rows_bytes(recipe: Recipe) -> int:
+    return ROWS_PER_FILE_BYTE * sum(p.stat().st_size for p in recipe.data.train if p.is_file())
+
+
+def precompute_host(recipe: Recipe, cfg: ModelConfig) -> HostPlan:
+    tp = recipe.target.tp
+    per_token = bytes_per_token(len(stored_layers(recipe, cfg)), cfg.hidden_size, recipe.precompute.topk)
+    shards = SHARDS_IN_FLIGHT * recipe.precompute.shard_tokens * per_token
+    return HostPlan(tp * (_threads(recipe) + 1), tp * PROCESS_BYTES + _rows_bytes(recipe) + shards)
+
+
+def train_host(recipe: Recipe, cfg: ModelConfig, procs: int) -> HostPlan:
+    frozen = cfg.vocab_size * cfg.hidden_size * 4 * (1 if cfg.tie_word_embeddings else 2)
+    layers = len(stored_layers(recipe, cfg))
+    batch = recipe.train.batch_tokens * (layers * cfg.hidden_size * 4 + recipe.precompute.topk * 12 + 16)
+    return HostPlan(procs * (_threads(recipe) + 1), procs * (PROCESS_BYTES + frozen + 3 * batch))
+
+
+def eval_host(recipe: Recipe) -> HostPlan:
+    tp = recipe.target.tp
+    return HostPlan(tp * (_threads(recipe) + 1), tp * PROCESS_BYTES + _rows_bytes(recipe) + GIB)
