@@ -14,6 +14,7 @@ writing thread beside them. On top come the stage's own bytes:
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from mtp_train.features.layers import stored_layers
@@ -61,3 +62,15 @@ def train_host(recipe: Recipe, cfg: ModelConfig, procs: int) -> HostPlan:
 def eval_host(recipe: Recipe) -> HostPlan:
     tp = recipe.target.tp
     return HostPlan(tp * (_threads(recipe) + 1), tp * PROCESS_BYTES + _rows_bytes(recipe) + GIB)
+
+
+def job_hosts(recipe: Recipe, train_procs: int, cpus_per_task: int | None) -> dict[str, tuple[int, int]]:
+    """``(cpus, memory)`` of each GPU job's node (``cpus_per_task``, the ``--cpus-per-task`` flag, wins); none
+    where this node cannot read the target's config (then the site's defaults apply)."""
+    config = recipe.target.path / "config.json"
+    if not config.is_file():
+        return {}
+    cfg = ModelConfig.from_hf(json.loads(config.read_text()), str(config))
+    plans = {"precompute": precompute_host(recipe, cfg), "train": train_host(recipe, cfg, train_procs),
+             "eval": eval_host(recipe)}
+    return {job: (cpus_per_task or plan.cpus, plan.memory) for job, plan in plans.items()}

@@ -14,7 +14,6 @@ resubmitted by hand. Every SLURM command runs with a timeout.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import shlex
@@ -27,6 +26,7 @@ from pathlib import Path
 
 from mtp_train.errors import UserError
 from mtp_train.io import write_atomic
+from mtp_train.host_plan import job_hosts
 from mtp_train.recipe import Recipe
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "slurm"
@@ -108,27 +108,12 @@ def _setup(opts: SlurmOptions, threads: int) -> str:
     return "\n".join(lines)
 
 
-def _host_plans(recipe: Recipe, opts: SlurmOptions) -> dict[str, tuple[int, int]]:
-    """``(cpus, memory)`` of the GPU jobs' nodes from the recipe's plan (``mtp_train.host_plan``; ``--cpus-per-task``
-    wins); none in CPU mode, or where this node cannot read the target's config (then the site's defaults apply)."""
-    config = recipe.target.path / "config.json"
-    if opts.cpu or not config.is_file():
-        return {}
-    from mtp_train.host_plan import eval_host, precompute_host, train_host
-    from mtp_train.models.config import ModelConfig
-
-    cfg = ModelConfig.from_hf(json.loads(config.read_text()), str(config))
-    plans = {"precompute": precompute_host(recipe, cfg), "train": train_host(recipe, cfg, opts.train_procs),
-             "eval": eval_host(recipe)}
-    return {job: (opts.cpus_per_task or plan.cpus, plan.memory) for job, plan in plans.items()}
-
-
 def render(recipe_path: Path, overrides: list[str], recipe: Recipe, opts: SlurmOptions) -> dict[str, str]:
     """The four scripts' text, by job name."""
     opts.check(recipe)
     tp = recipe.target.tp
     cpus = opts.cpus_per_task or (max(1, tp) if opts.cpu else None)
-    hosts = _host_plans(recipe, opts)
+    hosts = {} if opts.cpu else job_hosts(recipe, opts.train_procs, opts.cpus_per_task)
     values = {
         "JOB_NAME": opts.job_name or f"mtp-{recipe.output_dir.name}",
         "RECIPE": shlex.quote(str(recipe_path.resolve())),
