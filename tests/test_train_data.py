@@ -202,3 +202,25 @@ def test_load_batch_reads_the_window_and_the_next_one_ahead(features, monkeypatc
     before = len(asked)
     load_batch(reader, refs[1:3], 300, torch.float32)
     assert len(asked) == before
+
+
+def test_the_draft_vocabulary_counts_over_the_vocabulary_once_per_chunk_not_per_sequence(features, monkeypatch):
+    """The same ids as one count per sequence, with one ``bincount`` per ``COUNT_TOKENS`` assistant tokens."""
+    import mtp_train.train.vocab as vocab
+    from mtp_train.features.reader import FeatureReader
+
+    reader = FeatureReader(features[0])
+    counts = torch.zeros(4096, dtype=torch.int64)
+    for ref in reader.train:
+        rows = reader.load(ref)
+        counts += torch.bincount(rows["input_ids"].long()[rows["loss_mask"].bool()], minlength=4096)
+    want = torch.argsort(counts, descending=True, stable=True)[:100].sort().values
+    calls = []
+    bincount = torch.bincount
+    monkeypatch.setattr(vocab.torch, "bincount", lambda *a, **k: calls.append(1) or bincount(*a, **k))
+    assert torch.equal(vocab.frequent_tokens(reader, 100, 4096), want)
+    assert len(calls) == 1 < len(reader.train)
+    monkeypatch.setattr(vocab, "COUNT_TOKENS", int(counts.sum()) // 3)
+    calls.clear()
+    assert torch.equal(vocab.frequent_tokens(reader, 100, 4096), want)
+    assert 3 <= len(calls) <= 4

@@ -10,13 +10,23 @@ from mtp_train.models.config import ModelConfig
 from mtp_train.features.reader import FeatureReader
 
 
+COUNT_TOKENS = 1 << 22  # assistant tokens gathered before each count over the vocabulary
+
+
 def frequent_tokens(reader: FeatureReader, n: int, vocab_size: int) -> torch.Tensor:
     """``[n]`` ascending target ids of the ``n`` most frequent assistant tokens (``loss_mask`` 1) of the training
-    features, ties to the smaller id (ids never seen fill up from 0, as SpecForge pads)."""
+    features, ties to the smaller id (ids never seen fill up from 0, as SpecForge pads). The ids are counted over
+    the vocabulary once per ``COUNT_TOKENS`` of them, not once per sequence (a 128k-long count each)."""
     counts = torch.zeros(vocab_size, dtype=torch.int64)
-    for ref in reader.train:
+    pending: list[torch.Tensor] = []
+    gathered = 0
+    for i, ref in enumerate(reader.train):
         rows = reader.load(ref)
-        counts += torch.bincount(rows["input_ids"].long()[rows["loss_mask"].bool()], minlength=vocab_size)
+        pending.append(rows["input_ids"][rows["loss_mask"].bool()])
+        gathered += len(pending[-1])
+        if gathered >= COUNT_TOKENS or i == len(reader.train) - 1:
+            counts += torch.bincount(torch.cat(pending).long(), minlength=vocab_size)
+            pending, gathered = [], 0
     return torch.argsort(counts, descending=True, stable=True)[:n].sort().values
 
 
