@@ -155,11 +155,18 @@ def rank_lock(directory: Path, rank: int | None = None) -> Path:
 
 @contextmanager
 def exclusive(path: Path, what: str, index: int = 0) -> Iterator[None]:
-    """Hold the lock ``path`` while the block runs. The test hook's pause point ``hold:<index>`` comes right after
-    it is taken, so that a test can start a second writer while the first holds it."""
+    """Hold the lock ``path`` while the block runs; its directory, when the lock made it, is removed after if the
+    block left it empty. The test hook's pause point ``hold:<index>`` comes right after the lock is taken, so that
+    a test can start a second writer while the first holds it."""
+    created = not path.parent.exists()
     record = acquire(path, what)
     try:
         pause_point("hold", index)
         yield
     finally:
         release(path, record)
+        if created:  # a stage that failed before writing anything leaves no directory behind
+            try:
+                path.parent.rmdir()
+            except OSError:  # not empty: it wrote something
+                pass
