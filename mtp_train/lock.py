@@ -155,18 +155,18 @@ def rank_lock(directory: Path, rank: int | None = None) -> Path:
 
 @contextmanager
 def exclusive(path: Path, what: str, index: int = 0) -> Iterator[None]:
-    """Hold the lock ``path`` while the block runs; its directory, when the lock made it, is removed after if the
-    block left it empty. The test hook's pause point ``hold:<index>`` comes right after the lock is taken, so that
+    """Hold the lock ``path`` while the block runs; the folders made for it are removed after, where the block left
+    them empty. The test hook's pause point ``hold:<index>`` comes right after the lock is taken, so that
     a test can start a second writer while the first holds it."""
-    created = not path.parent.exists()
+    made = [d for d in (path.parent, *path.parent.parents) if not d.exists()]  # the folders the lock will make
     record = acquire(path, what)
     try:
         pause_point("hold", index)
         yield
     finally:
         release(path, record)
-        if created:  # a stage that failed before writing anything leaves no directory behind
+        for folder in made:  # a stage that failed before writing anything leaves no folder behind
             try:
-                path.parent.rmdir()
-            except OSError:  # not empty: it wrote something
-                pass
+                folder.rmdir()
+            except OSError:  # not empty: the stage wrote something there
+                break

@@ -142,3 +142,15 @@ def test_a_pid_reused_by_another_process_does_not_hold_the_lock(tmp_path):
     lock.write_text(_lock_record(pid=os.getpid(), start="1"))  # this pid, but a process started at another time
     proc = _acquire(lock)
     assert proc.returncode == 0 and "taking over" in proc.stderr, proc.stderr
+
+
+def test_a_stage_that_writes_nothing_leaves_no_folder_behind(tmp_path):
+    from mtp_train.lock import exclusive
+
+    lock = tmp_path / "out" / "eval" / ".lock.rank-00000"
+    with exclusive(lock, "eval"):
+        assert lock.is_file()
+    assert list(tmp_path.iterdir()) == []
+    with exclusive(lock, "eval"):
+        (lock.parent / "report.json").write_text("{}")
+    assert sorted(p.name for p in lock.parent.iterdir()) == ["report.json"]
