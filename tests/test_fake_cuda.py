@@ -92,8 +92,11 @@ def test_training_places_everything_on_the_gpu(small_run, monkeypatch):
     recipe, original, out = _copy(small_run, "train_on_gpu")
     shutil.copytree(original / "features", out / "features")
     AcceleratorState._reset_state(reset_partial_state=True)  # this process trained in fp32 on the CPU before
-    with fake_cuda(monkeypatch):  # train.mixed_precision: auto is bf16 on CUDA
-        head = run_train(recipe)
+    try:
+        with fake_cuda(monkeypatch):  # train.mixed_precision: auto is bf16 on CUDA
+            head = run_train(recipe)
+    finally:  # and later tests of this process train in fp32 again
+        AcceleratorState._reset_state(reset_partial_state=True)
     assert (head / "model.safetensors").is_file()
 
 
