@@ -9,8 +9,20 @@ the load is already above its cores (``warn_if_oversubscribed``).
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Mapping
+
+# The signals a stage acts on in its main thread (a stop request, an interrupt): helper threads never take them.
+MAIN_THREAD_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+
+
+def leave_signals_to_main_thread() -> None:
+    """Block ``MAIN_THREAD_SIGNALS`` in the calling helper thread (an initializer of the project's loading and
+    writing threads). The kernel then hands such a signal to the main thread, whose handler runs before its next
+    line: a stop asked for while the process is stopped or busy is seen at the first check after it resumes,
+    not whenever a helper thread happens to be scheduled."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, MAIN_THREAD_SIGNALS)
 
 
 def cores_available() -> int:

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import io
 import re
+import signal
 
 import pytest
 
-from conftest import run_cli
+from conftest import REPO, run_cli
 from mtp_train.errors import UserError
 from mtp_train.progress import EVERY_ENV, Progress, duration, interval
-from mtp_train.threads import default_threads, load_warning, local_processes, set_threads
+from mtp_train.threads import (MAIN_THREAD_SIGNALS, default_threads, leave_signals_to_main_thread, load_warning,
+                               local_processes, set_threads)
 from precompute_helpers import make_recipe, sgd_rows, write_jsonl
 
 
@@ -120,6 +122,25 @@ def test_set_threads_applies_the_recipe_value_or_the_default(monkeypatch):
         assert set_threads(None) == 1 and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_loading_and_writing_threads_leave_stop_signals_to_the_main_thread():
+    """A stop request sent while a run is stopped goes, on resuming, to the main thread (whose handler runs before
+    the next check), never to a helper thread that may be scheduled after that check: the flake of SIGUSR1 read one
+    step late. The trainer's prefetch pool, the read-ahead pool and the shard writer all start this way."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def blocked() -> set[int]:
+        return set(signal.pthread_sigmask(signal.SIG_BLOCK, []))
+
+    with ThreadPoolExecutor(max_workers=1, initializer=leave_signals_to_main_thread) as pool:
+        assert set(MAIN_THREAD_SIGNALS) <= pool.submit(blocked).result()
+    with ThreadPoolExecutor(max_workers=1) as pool:  # a plain helper thread would take them
+        assert not set(MAIN_THREAD_SIGNALS) & pool.submit(blocked).result()
+    assert not set(MAIN_THREAD_SIGNALS) & blocked()
+    sources = {name: (REPO / name).read_text() for name in
+               ("mtp_train/train/trainer.py", "mtp_train/features/reader.py", "mtp_train/features/writer.py")}
+    assert all("leave_signals_to_main_thread" in text for text in sources.values())
 
 
 def test_oversubscription_is_one_warning_line():

@@ -24,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 from mtp_train.errors import UserError
 from mtp_train.features.manifest import Manifest, target_fingerprint
 from mtp_train.features.verify import load_features_manifest
+from mtp_train.threads import leave_signals_to_main_thread
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,8 @@ class FeatureReader:
             new = [s for s in shards if s not in self._ahead]
             self._ahead = set(shards)
             if new and self._ahead_pool is None:
-                self._ahead_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-readahead")
+                self._ahead_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-readahead",
+                                                      initializer=leave_signals_to_main_thread)
         for shard in new:
             f = self._file(shard)
             self._pending[shard] = self._ahead_pool.submit(_read_whole, f)

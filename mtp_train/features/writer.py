@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import save as safetensors_bytes
 
 from mtp_train.io import crash_point, write_atomic
+from mtp_train.threads import leave_signals_to_main_thread
 
 
 class ShardWriter:
@@ -29,6 +30,7 @@ class ShardWriter:
         self._thread.start()
 
     def _run(self) -> None:
+        leave_signals_to_main_thread()
         while True:
             job = self._queue.get()
             if job is None:

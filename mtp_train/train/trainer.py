@@ -41,7 +41,7 @@ from mtp_train.lock import exclusive, rank_lock
 from mtp_train.models.checkpoint import read_layer
 from mtp_train.progress import Progress
 from mtp_train.recipe import Recipe
-from mtp_train.threads import set_threads, warn_if_oversubscribed
+from mtp_train.threads import leave_signals_to_main_thread, set_threads, warn_if_oversubscribed
 from mtp_train.train.checkpoint import (begin_checkpoint, finish_checkpoint, head_is_complete, load_checkpoint,
                                         load_optimizer_shard, save_head, save_optimizer_shard)
 from mtp_train.train.data import Batch, load_batch, plan_batches
@@ -198,7 +198,7 @@ class Trainer:
         warn_if_oversubscribed("train", accelerator.is_main_process)
         trainer.progress = Progress("train", total, "steps", initial=step, enabled=accelerator.is_main_process)
         trainer.stop_request = StopRequest()
-        trainer.prefetch = ThreadPoolExecutor(max_workers=1)
+        trainer.prefetch = ThreadPoolExecutor(max_workers=1, initializer=leave_signals_to_main_thread)
         trainer.pending = trainer.prefetch.submit(trainer._loader(step, 0)) if step < total else None
         return trainer
 
