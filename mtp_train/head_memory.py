@@ -1,11 +1,12 @@
 """What training a head holds per rank, measured from the module the trainer builds: its parameters and the
-activations autograd saves, counted on the meta device (no memory, no arithmetic), with attention keeping what a
-flash kernel keeps (an MLA head's attention: SDPA's math kernel, whose saved scores grow with the square of each
-document's length). ``mtp_train.memory`` puts them into the stages' plans."""
+activations autograd saves, counted on the meta device (no memory, no arithmetic), with the attention kernel a GPU
+selects (``attention_kernel``: a flash kernel keeps no scores; SDPA's math kernel keeps each document's, which grow
+with the square of its length); and the loss's gathered rows. ``mtp_train.memory`` puts them into the plans."""
 
 from __future__ import annotations
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mtp_train.heads import build_head, head_spec
 from mtp_train.heads.eagle3 import aux_layers_for
@@ -47,10 +48,8 @@ def _plan_spec(recipe: Recipe, cfg: ModelConfig, kind: str | None = None):
 
 
 def head_activation_bytes_per_token(recipe: Recipe, cfg: ModelConfig) -> int:
-    """Bytes autograd saves per token for one unrolled step of the head, counted on the meta device (for MLA the
-    linear term of ``head_activation_terms``)."""
-    if cfg.mla is not None:
-        return head_activation_terms(recipe, cfg)[0]
+    """Bytes autograd saves per token for one unrolled step of the head with a flash kernel's attention, counted
+    on the meta device."""
     tokens = 1024
     spec = _plan_spec(recipe, cfg)
     with torch.device("meta"):
@@ -79,22 +78,41 @@ def _balanced_bincount(ids: torch.Tensor, minlength: int = 0) -> torch.Tensor:
     return torch.tensor([n // minlength + (e < n % minlength) for e in range(minlength)])
 
 
-def mla_head_saved_bytes(recipe: Recipe, cfg: ModelConfig, cu_seqlens: list[int], device: str = "meta") -> int:
-    """Bytes autograd keeps for one step of an MLA head over packed documents ``cu_seqlens``, with the attention
-    the trainer runs (``DocumentCausalAttention``): the storages of the saved tensors still held when the forward
-    ends, each once (a view shares its base's bytes; a temporary whose graph was dropped holds nothing). A head
-    with experts (``HeadSpec.moe``) routes evenly on the meta device (``_balanced_bincount``)."""
+def attention_kernel(recipe: Recipe, cfg: ModelConfig, kind: str | None = None) -> str:
+    """The SDPA kernel the head's training attention runs on a GPU, as torch picks it: ``flash`` when the compute
+    dtype is half (``train.mixed_precision`` bf16 or fp16, or ``auto``, which is bf16 on CUDA), the attention has
+    no explicit mask and the head dimension is at most 256; else ``math``. That excludes an MLA head (a 576-wide
+    key), an eagle3 head (training-time test passes a mask; the memory-efficient kernel, which takes one, has no
+    grouped-query attention) and fp32 training. Where torch does pick the memory-efficient kernel (a mask without
+    GQA), it keeps less than the plan counts."""
+    kind = kind or recipe.head.kind
+    half = recipe.train.mixed_precision in ("auto", "bf16", "fp16")
+    if cfg.mla is not None or kind == "eagle3" or not half or cfg.head_dim > 256:
+        return "math"
+    return "flash"
+
+
+def head_saved_bytes(recipe: Recipe, cfg: ModelConfig, cu_seqlens: list[int], steps: int = 1,
+                     device: str = "meta") -> int:
+    """Bytes autograd keeps for ``steps`` chained steps of the head over packed documents ``cu_seqlens``, with the
+    attention the trainer runs and the math kernel (``DocumentCausalAttention`` per step; an eagle3 head's
+    ``TTTAttention``, whose keys and mask grow by a step each time): the storages of the saved tensors still held
+    when the forward ends, each once (a view shares its base's bytes; a temporary whose graph was dropped holds
+    nothing). A head with experts (``HeadSpec.moe``) routes evenly on the meta device (``_balanced_bincount``)."""
     import contextlib
     import weakref
     from unittest import mock
 
     from mtp_train.heads.attention import DocumentCausalAttention
+    from mtp_train.train.ttt import TTTAttention
 
     tokens = cu_seqlens[-1]
     spec = _plan_spec(recipe, cfg)
+    eagle3 = spec.kind == "eagle3"
     with torch.device(device):
         head = build_head(spec)
         embeds, hidden = torch.randn(tokens, cfg.hidden_size), torch.randn(tokens, cfg.hidden_size)
+        aux = torch.randn(tokens, len(spec.aux_layers) * cfg.hidden_size) if eagle3 else None
         positions = torch.cat([torch.arange(e - s) for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:])])
     params = {p.untyped_storage()._cdata for p in head.parameters()}
     saved: list[weakref.ref] = []
@@ -104,44 +122,74 @@ def mla_head_saved_bytes(recipe: Recipe, cfg: ModelConfig, cu_seqlens: list[int]
         return t
 
     routing = mock.patch.object(torch, "bincount", _balanced_bincount) if device == "meta" else contextlib.nullcontext()
-    with routing, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        plan = DocumentCausalAttention(cu_seqlens)
-        out = head.run(embeds, hidden, positions, plan, [(None, None)] * len(head.layers))
+    with routing, sdpa_kernel(SDPBackend.MATH), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        plan = TTTAttention(cu_seqlens) if eagle3 else None
+        for step in range(steps):
+            if eagle3:
+                out = head(embeds, hidden if step else None, positions + step, plan, None if step else aux)
+                hidden = out
+            else:
+                out = head.run(embeds, hidden, positions, DocumentCausalAttention(cu_seqlens),
+                               [(None, None)] * len(head.layers))
+                hidden = head.feedback_state(out)
     kept: dict[int, int] = {}
     for ref in saved:
         t = ref()
         if t is not None and t.untyped_storage()._cdata not in params:
             kept[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
-    del out
+    del out, hidden
     return sum(kept.values())
 
 
 def head_activation_terms(recipe: Recipe, cfg: ModelConfig) -> tuple[int, int]:
-    """What one unrolled step of the head keeps: ``(bytes per token, bytes per squared token of a document)``.
+    """What the ``train.unroll`` steps of the head keep: ``(bytes per token, bytes per squared token of a
+    document)``, for the kernel ``attention_kernel`` names.
 
-    Llama families: the second term is 0, attention keeping what a flash kernel keeps. MLA: SDPA has no fused
-    kernel for the head's latent attention (one 576-wide key head shared by every query head, a 512-wide value:
-    wider than FlashAttention's 256, and with GQA, which the memory-efficient kernel does not take; on CPU and
-    meta it runs the math kernel), so the math kernel's saves are counted, measured on the meta device: the scaled
-    query, the key and value expanded to every head, and each document's ``[heads, L, L]`` softmax. Measured at
-    two lengths of one document, ``saved(L) = a L + b L^2`` gives both terms exactly. (If a GPU's SDPA does run
-    a fused kernel for these shapes, the second term is an overestimate.)"""
-    if cfg.mla is None:
-        return head_activation_bytes_per_token(recipe, cfg), 0
+    ``flash``: the second term is 0, attention keeping what a flash kernel keeps (q, k, v, output, log-sum-exp).
+    ``math``: the kernel's saves are counted too, measured on the meta device: the scaled query, the key and value
+    expanded to every head, and each document's ``[heads, L, S]`` softmax (MLA: one 576-wide key head shared by
+    every query head; eagle3: ``S`` grows by ``L`` each step, and the boolean mask with it). Measured over the
+    unrolled steps at two lengths of one document, ``saved(L) = a L + b L^2`` gives both terms exactly. fp32 is
+    counted; under bf16 autocast the kernel keeps about half."""
+    steps = recipe.train.unroll
+    if attention_kernel(recipe, cfg) == "flash":
+        return steps * head_activation_bytes_per_token(recipe, cfg), 0
     n = 512
-    one, two = mla_head_saved_bytes(recipe, cfg, [0, n]), mla_head_saved_bytes(recipe, cfg, [0, 2 * n])
+    once = 1 if recipe.head.kind == "eagle3" else steps  # other heads' steps are alike: measure one, times unroll
+    one = head_saved_bytes(recipe, cfg, [0, n], steps // once)
+    two = head_saved_bytes(recipe, cfg, [0, 2 * n], steps // once)
     quadratic = (two - 2 * one) // (2 * n * n)
-    return (one - quadratic * n * n) // n, quadratic
+    return once * ((one - quadratic * n * n) // n), once * quadratic
+
+
+def loss_copy_bytes(recipe: Recipe, cfg: ModelConfig) -> int:
+    """What the loss keeps beside the head's activations, over ``train.unroll`` steps of ``train.batch_tokens``
+    rows: the rows with a label, gathered (``x[mask]``) and kept until backward. Per row and step: five rows of
+    the hidden width (smooth-L1's fed-back state and hidden target; the lm_head's norm keeps its input and its
+    normalised rows; the vocabulary chunks' checkpoint keeps the norm's output), the teacher's rows (``exact``:
+    the target's hidden; top-K: log-probs, ids and the tail), and the row's index, mask and per-row terms (24 B).
+    eagle3 has no hidden term but gathers twice: the counted rows, then those its draft vocabulary holds. A
+    post-norm head also holds the batch's hidden through the target's final norm. The vocabulary chunks' own
+    working set is the separate ``4 x CHUNK_BYTES`` bound."""
+    tr = recipe.train
+    hidden = cfg.hidden_size * 4
+    teacher = hidden if tr.teacher == "exact" else recipe.precompute.topk * 12 + 4
+    if recipe.head.kind == "eagle3":
+        row, whole = 2 * hidden + 2 * teacher + 24, 0
+    else:
+        row = 5 * hidden + teacher + 24
+        whole = tr.batch_tokens * hidden if _plan_spec(recipe, cfg).hidden_input == "post_norm" else 0
+    return tr.unroll * tr.batch_tokens * row + whole
 
 
 def train_activation_bytes(recipe: Recipe, cfg: ModelConfig) -> int:
-    """What autograd keeps for ``train.unroll`` steps over ``train.batch_tokens`` tokens; for MLA the documents'
-    squared lengths are bounded by ``batch_tokens x`` the longest document (``data.max_length``):
+    """What autograd keeps for ``train.unroll`` steps over ``train.batch_tokens`` tokens; with the math kernel the
+    documents' squared lengths are bounded by ``batch_tokens x`` the longest document (``data.max_length``):
     ``sum L_i^2 <= max L x sum L_i``."""
     tr = recipe.train
     linear, quadratic = head_activation_terms(recipe, cfg)
     longest = min(recipe.data.max_length, tr.batch_tokens)
-    return tr.unroll * (tr.batch_tokens * linear + quadratic * tr.batch_tokens * longest)
+    return tr.batch_tokens * linear + quadratic * tr.batch_tokens * longest
 
 
 def head_parameter_count(recipe: Recipe, cfg: ModelConfig, kind: str | None = None) -> int:

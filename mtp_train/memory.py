@@ -9,7 +9,9 @@
 - **train**: the frozen embedding, final norm and lm_head (fp32); the head's weights and gradients (fp32) and
   AdamW's two moments, partitioned over the ranks under DeepSpeed ZeRO; the batch's features; the activations
   that autograd keeps for ``train.unroll`` steps over ``train.batch_tokens`` tokens, **measured** on the meta
-  device (``mtp_train.head_memory``); and the chunked vocabulary loss's bound.
+  device with the attention kernel a GPU selects (``mtp_train.head_memory.attention_kernel``: flash keeps no
+  scores, the math kernel keeps each document's); and the loss: the labelled rows it gathers and keeps until
+  backward, and the chunked vocabulary terms' bound.
 - **eval**: the precompute terms, the drafts' weights (whole, on the leader), and one KV budget that the target's
   pool shares with the drafts' pools (``mtp_train.eval.loading.kv_share``).
 """
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mtp_train.head_memory import head_parameter_count, train_activation_bytes
+from mtp_train.head_memory import attention_kernel, head_parameter_count, loss_copy_bytes, train_activation_bytes
 from mtp_train.models.config import ModelConfig
 from mtp_train.recipe import Recipe
 from mtp_train.runtime.engine import LOGITS_CHUNK
@@ -234,8 +236,9 @@ def memory_plan(cfg: ModelConfig, recipe: Recipe, gpu_bytes: int = H100_BYTES) -
 
     tr = recipe.train
     head_params = head_parameter_count(recipe, cfg)
-    mla_scores = (f"; MLA attention scores of documents up to {min(recipe.data.max_length, tr.batch_tokens):,} "
-                  "tokens" if cfg.mla is not None else "")
+    kernel = attention_kernel(recipe, cfg)
+    scores = (f"; the {kernel} attention kernel" + (f"'s scores of documents up to "
+              f"{min(recipe.data.max_length, tr.batch_tokens):,} tokens" if kernel == "math" else ""))
     zero = TRAIN_RANKS if tr.engine == "deepspeed" else 1
     grads = head_params * 4 // (zero if tr.engine == "deepspeed" and tr.zero_stage == 2 else 1)
     frozen = cfg.vocab_size * cfg.hidden_size * 4 * (1 if cfg.tie_word_embeddings else 2)
@@ -243,10 +246,11 @@ def memory_plan(cfg: ModelConfig, recipe: Recipe, gpu_bytes: int = H100_BYTES) -
     features = tr.batch_tokens * (layers * cfg.hidden_size * 4 + recipe.precompute.topk * 12 + 16)
     activations = train_activation_bytes(recipe, cfg)
     train = StagePlan("train", {"frozen": frozen, "head+grads+AdamW": head_params * 4 + grads + head_params * 8 // zero,
-                                "features": features, "activations": activations, "loss": 4 * CHUNK_BYTES},
+                                "features": features, "activations": activations,
+                                "loss": loss_copy_bytes(recipe, cfg) + 4 * CHUNK_BYTES},
                       gpu_bytes, f"{tr.unroll} unrolled steps x {tr.batch_tokens:,} tokens (fp32 activations"
                                  f"{'; bf16 autocast keeps less' if tr.mixed_precision != 'no' else ''}"
-                                 f"{mla_scores}), AdamW over {zero} rank(s)")
+                                 f"{scores}), AdamW over {zero} rank(s)")
     return [runtime, train, eval_plan(cfg, recipe, gpu_bytes, scoring)]
 
 

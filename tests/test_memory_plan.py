@@ -12,8 +12,8 @@ import pytest
 
 from conftest import REPO, TINY_RECIPE, TINY_TARGET
 from hf_models import save_random_model
-from mtp_train.head_memory import (head_activation_bytes_per_token, head_activation_terms, head_parameter_count,
-                                   mla_head_saved_bytes)
+from mtp_train.head_memory import (attention_kernel, head_activation_bytes_per_token, head_activation_terms,
+                                   head_parameter_count, head_saved_bytes, loss_copy_bytes, train_activation_bytes)
 from mtp_train.memory import H100_BYTES, kv_bytes_per_token, memory_plan, plan_lines, target_weight_bytes
 from mtp_train.models.config import ModelConfig
 from mtp_train.recipe import load_recipe
@@ -165,12 +165,80 @@ def test_mla_head_activations_are_what_autograd_saves_on_a_real_forward(deepseek
     measured on the meta device predict what a real CPU forward over several packed documents keeps."""
     _, _, cfg = deepseek
     recipe = load_recipe(TINY_RECIPE)
+    assert attention_kernel(recipe, cfg) == "math"
     linear, quadratic = head_activation_terms(recipe, cfg)
-    assert head_activation_bytes_per_token(recipe, cfg) == linear > cfg.hidden_size * 4
-    assert quadratic == cfg.num_heads * 4  # the [heads, L, L] softmax in fp32, counted once per storage
+    steps = recipe.train.unroll
+    assert linear > steps * cfg.hidden_size * 4
+    assert quadratic == steps * cfg.num_heads * 4  # the [heads, L, L] softmax in fp32, once per storage and step
     cu = [0, 96, 256, 300]
-    real = mla_head_saved_bytes(recipe, cfg, cu, device="cpu")
-    assert real == linear * cu[-1] + quadratic * sum((e - s) ** 2 for s, e in zip(cu, cu[1:]))
+    real = head_saved_bytes(recipe, cfg, cu, device="cpu")
+    assert steps * real == linear * cu[-1] + quadratic * sum((e - s) ** 2 for s, e in zip(cu, cu[1:]))
+
+
+def test_the_plan_counts_the_attention_kernel_a_gpu_selects():
+    """bf16 (the default on CUDA) runs a flash kernel, which keeps no scores; fp32 and eagle3's masked
+    training-time test run the math kernel, whose scores grow with the square of each document: the plan counts
+    them (the 8B recipe in fp32 does not fit), measured on the meta device."""
+    cfg = _config(CONFIGS / "llama-3.1-8b.json")
+    name = REPO / "recipes" / "llama3.1-8b.yaml"
+    default, fp32, eagle3 = (load_recipe(name, o) for o in ([], ['train.mixed_precision="no"'], ["head.kind=eagle3"]))
+    assert [attention_kernel(r, cfg) for r in (default, fp32, eagle3)] == ["flash", "math", "math"]
+    assert head_activation_terms(default, cfg)[1] == 0
+    for recipe in (fp32, eagle3):
+        quadratic = head_activation_terms(recipe, cfg)[1]
+        assert quadratic >= recipe.train.unroll * cfg.num_heads * 4  # [heads, L, L] fp32 per step at least
+        train = memory_plan(cfg, recipe)[1]
+        assert not train.fits and "the math attention kernel's scores of documents up to 4,096 tokens" in train.line()
+    assert "the flash attention kernel)" in memory_plan(cfg, default)[1].line()
+
+
+@pytest.mark.parametrize("kind", ["mtp", "eagle", "eagle3"])
+@pytest.mark.parametrize("teacher", ["topk", "exact"])
+def test_the_plan_bounds_what_a_real_training_step_keeps_loss_included(kind, teacher):
+    """A real CPU forward of the objective (the head's unrolled steps and the loss, with the masked rows it
+    gathers) keeps at most what the plan's activations and loss copies say, and not much less (within 15%).
+    eagle3 runs the math kernel, as on a GPU; the others a flash-like kernel, as CPU's SDPA does without a mask."""
+    import weakref
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from mtp_train.heads import build_head, head_spec
+    from mtp_train.heads.eagle3 import aux_layers_for
+    from mtp_train.heads.frozen import FrozenTarget
+    from mtp_train.train.data import Batch
+    from mtp_train.train.objective import loss_weights, objective
+    from mtp_train.train.vocab import draft_vocab_size
+
+    recipe = load_recipe(TINY_RECIPE, [f"head.kind={kind}", f"train.teacher={teacher}", "train.unroll=3",
+                                       "train.batch_tokens=1024", "data.max_length=256"])
+    cfg = _config(TINY_TARGET / "config.json")
+    torch.manual_seed(0)
+    eagle3 = kind == "eagle3"
+    head = build_head(head_spec(kind, 1, cfg, "x", recipe.head.convention,
+                                tuple(aux_layers_for(recipe.head.aux_layers, cfg)) if eagle3 else (),
+                                draft_vocab_size(recipe.head.draft_vocab, cfg.vocab_size) if eagle3 else 0))
+    h, v, k, n = cfg.hidden_size, cfg.vocab_size, recipe.precompute.topk, 1024
+    frozen = FrozenTarget(cfg, torch.randn(v, h), torch.ones(h), torch.randn(v, h))
+    batch = Batch(torch.randint(0, v, (n,)), torch.randn(n, h), torch.ones(n, dtype=torch.bool),
+                  torch.randn(n, k).log_softmax(-1), torch.randint(0, v, (n, k)), torch.full((n,), -3.0),
+                  [0, 256, 512, 768, 1024], torch.randn(n, 3 * h) if eagle3 else None)
+    held = [*head.parameters(), frozen.embed_weight, frozen.norm_weight, frozen.lm_head_weight, batch.tokens,
+            batch.hidden, batch.loss_mask, batch.topk_logprobs, batch.topk_ids, batch.tail_logprob, batch.aux]
+    skip = {t.untyped_storage()._cdata for t in held if t is not None}
+    saved: list[weakref.ref] = []
+
+    def pack(t):
+        saved.append(weakref.ref(t))
+        return t
+
+    backends = SDPBackend.MATH if eagle3 else [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+    with sdpa_kernel(backends), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss, _ = objective(head, frozen, batch, loss_weights(recipe))
+    kept = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in (r() for r in saved)
+            if t is not None and t.untyped_storage()._cdata not in skip}
+    measured = sum(kept.values())
+    planned = train_activation_bytes(recipe, cfg) + loss_copy_bytes(recipe, cfg)
+    assert measured <= planned <= 1.15 * measured, (measured, planned)
 
 
 def test_the_memory_module_plans_a_deepseek_recipe_from_its_config_alone(capsys):
