@@ -192,6 +192,17 @@ def train_activation_bytes(recipe: Recipe, cfg: ModelConfig) -> int:
     return tr.batch_tokens * linear + quadratic * tr.batch_tokens * longest
 
 
+def frozen_bytes(cfg: ModelConfig) -> int:
+    """The frozen embedding and lm_head the trainer holds in fp32 (one tensor when tied)."""
+    return cfg.vocab_size * cfg.hidden_size * 4 * (1 if cfg.tie_word_embeddings else 2)
+
+
+def batch_bytes(recipe: Recipe, cfg: ModelConfig, layers: int) -> int:
+    """One training batch of ``train.batch_tokens`` tokens with ``layers`` hidden layers in fp32, the top-K
+    teacher (fp32 log-probs and int64 ids) and the token, mask and tail per token."""
+    return recipe.train.batch_tokens * (layers * cfg.hidden_size * 4 + recipe.precompute.topk * 12 + 16)
+
+
 def head_parameter_count(recipe: Recipe, cfg: ModelConfig, kind: str | None = None) -> int:
     """The head's parameters, counted on the meta device from the module the trainer builds: its decoder layer(s)
     of the target's attention (MLA for DeepSeek) with the MLP its ``HeadSpec`` asks for (the target's dense MLP of

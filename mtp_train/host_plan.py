@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from mtp_train.features.layers import stored_layers
 from mtp_train.features.space import bytes_per_token
+from mtp_train.head_memory import batch_bytes, frozen_bytes
 from mtp_train.models.config import ModelConfig
 from mtp_train.recipe import Recipe
 
@@ -53,10 +54,8 @@ def precompute_host(recipe: Recipe, cfg: ModelConfig) -> HostPlan:
 
 
 def train_host(recipe: Recipe, cfg: ModelConfig, procs: int) -> HostPlan:
-    frozen = cfg.vocab_size * cfg.hidden_size * 4 * (1 if cfg.tie_word_embeddings else 2)
-    layers = len(stored_layers(recipe, cfg))
-    batch = recipe.train.batch_tokens * (layers * cfg.hidden_size * 4 + recipe.precompute.topk * 12 + 16)
-    return HostPlan(procs * (_threads(recipe) + 1), procs * (PROCESS_BYTES + frozen + 3 * batch))
+    batch = batch_bytes(recipe, cfg, len(stored_layers(recipe, cfg)))
+    return HostPlan(procs * (_threads(recipe) + 1), procs * (PROCESS_BYTES + frozen_bytes(cfg) + 3 * batch))
 
 
 def eval_host(recipe: Recipe) -> HostPlan:

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mtp_train.head_memory import attention_kernel, head_parameter_count, loss_copy_bytes, train_activation_bytes
+from mtp_train.head_memory import (attention_kernel, batch_bytes, frozen_bytes, head_parameter_count, loss_copy_bytes,
+                                   train_activation_bytes)
 from mtp_train.models.config import ModelConfig
 from mtp_train.recipe import Recipe
 from mtp_train.runtime.engine import LOGITS_CHUNK
@@ -241,9 +242,8 @@ def memory_plan(cfg: ModelConfig, recipe: Recipe, gpu_bytes: int = H100_BYTES) -
               f"{min(recipe.data.max_length, tr.batch_tokens):,} tokens" if kernel == "math" else ""))
     zero = TRAIN_RANKS if tr.engine == "deepspeed" else 1
     grads = head_params * 4 // (zero if tr.engine == "deepspeed" and tr.zero_stage == 2 else 1)
-    frozen = cfg.vocab_size * cfg.hidden_size * 4 * (1 if cfg.tie_word_embeddings else 2)
-    layers = 4 if recipe.head.kind == "eagle3" else 1  # the last layer, and an eagle3 head's three (Batch.aux)
-    features = tr.batch_tokens * (layers * cfg.hidden_size * 4 + recipe.precompute.topk * 12 + 16)
+    frozen = frozen_bytes(cfg)
+    features = batch_bytes(recipe, cfg, 4 if recipe.head.kind == "eagle3" else 1)  # the last layer (+ Batch.aux)
     activations = train_activation_bytes(recipe, cfg)
     train = StagePlan("train", {"frozen": frozen, "head+grads+AdamW": head_params * 4 + grads + head_params * 8 // zero,
                                 "features": features, "activations": activations,
