@@ -203,6 +203,17 @@ def test_two_processes_keep_identical_weights_and_match_one_process(tmp_path, fe
 
 
 @pytest.mark.slow
+def test_one_deepspeed_process_trains_the_recipes_head_and_its_comparison_head(tmp_path, features):
+    """``mtp-train train`` without a launcher, under DeepSpeed, trains the recipe's head and then the ``eval.compare``
+    head in the same process: the second gets its own accelerator (accelerate refuses a second DeepSpeed plugin
+    in a process unless its state is reset)."""
+    recipe = train_recipe(tmp_path, features, max_steps=2, val_every=2, save_every=2)
+    proc = run_train_cli(recipe, "train.engine=deepspeed", "eval.compare=[eagle]")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for kind in ("mtp", "eagle"):
+        assert (tmp_path / "run" / "heads" / kind / "model.safetensors").is_file(), kind
+
+
 def test_deepspeed_zero2_checkpoints_every_rank_and_resumes_exactly(tmp_path, features):
     """Under ZeRO the optimizer state is partitioned: each rank saves and restores its own part."""
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "resumed"

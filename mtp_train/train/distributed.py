@@ -52,6 +52,7 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
     """The recipe's accelerator: DDP (gloo without CUDA) or DeepSpeed ZeRO, with its mixed precision (TF32 matmuls
     where fp32 remains on CUDA)."""
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
     from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
 
     if torch.cuda.is_available():
@@ -79,6 +80,9 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # gloo, since NCCL needs CUDA
             kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
+    # A second head trained in this process (``eval.compare``) gets its own plugin and precision: accelerate keeps
+    # one state per process and refuses a second DeepSpeed plugin. The process group (PartialState) stays.
+    AcceleratorState._reset_state(reset_partial_state=False)
     accelerator = Accelerator(**kwargs)
     if recipe.train.engine == "deepspeed":  # batches are packed by tokens, so one "sample" per micro-batch
         accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 1
