@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mtp_train.errors import UserError
+from mtp_train.features.index import index_name
 from mtp_train.features.manifest import MERGED, Manifest, load_manifest, rank_manifest_name, save_manifest, union
 
 
@@ -43,8 +44,9 @@ def prepare_directory(out: Path, rank: int, fingerprint: dict[str, str], setting
     for shard in out.glob(f"{prefix}*.safetensors"):
         if shard.name not in keep:  # written, but the manifest never recorded it
             shard.unlink()
-    if old is None and path.is_file():
-        path.unlink()
+    if old is None:
+        path.unlink(missing_ok=True)
+        (out / index_name(rank)).unlink(missing_ok=True)
     return old
 
 

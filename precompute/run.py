@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from mtp_train.errors import UserError
@@ -27,7 +28,8 @@ from mtp_train.lock import exclusive, rank_lock
 from mtp_train.models.config import ModelConfig
 from mtp_train.recipe import Recipe
 from mtp_train.threads import set_threads, warn_if_oversubscribed
-from mtp_train.data.dataset import LoadedData, Row, encode_many, heldout_ids, load_rows, rank_slice
+from mtp_train.data.dataset import LoadedData, Row, encode_many, heldout_ids, load_rows
+from mtp_train.features.index import RankIndex, index_name, load_index
 from mtp_train.features.layers import eagle3_layers, stored_layers
 from mtp_train.features.space import bytes_per_token, require_space
 from mtp_train.features.verify import check_shards
@@ -37,14 +39,13 @@ from mtp_train.features.manifest import (
     data_fingerprint,
     load_manifest,
     rank_manifest_name,
-    save_manifest,
     target_fingerprint,
     text_fingerprint,
     tokenizer_fingerprint,
 )
 from mtp_train.precompute.directory import merge_manifests, prepare_directory
 from mtp_train.precompute.preflight import check_data_files, check_rows, mask_counts
-from mtp_train.precompute.shards import Encoded, ShardPlan, plan_shards, write_shards
+from mtp_train.precompute.shards import Encoded, ShardPlan, plan_shards, save_rank, write_shards
 from mtp_train.data.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
@@ -104,13 +105,13 @@ def _precompute(job: Job, device: torch.device, tp: TensorParallel, overwrite: b
     """Score this worker's rows into shards from where an earlier run stopped, and record them."""
     recipe = job.recipe
     old = resume_point(job, tp, overwrite)
-    data, mine = load_data(job)
+    data = load_data(job)
     engine = load_engine(recipe, device, tp)
-    rows = rows_to_score(job, data, mine, engine, tp)
+    rows = rows_to_score(job, data, engine, tp)
     encoded = encode_many(job.tokenizer, [r.content for r in rows], recipe.data.max_length, [r.row_id for r in rows])
     by_file = mask_counts(data, rows, encoded)
-    manifest = old or new_manifest(job, engine, data, mine, encoded)
-    plan = plan_shards(rows, encoded, recipe.precompute.shard_tokens, manifest, job.out)
+    manifest, index = old or new_manifest(job, engine, data, encoded)
+    plan = plan_shards(rows, encoded, recipe.precompute.shard_tokens, manifest, index, job.out)
     if tp.is_leader and len(manifest.shards) < len(plan) and (job.out / MERGED).is_file():
         (job.out / MERGED).unlink()  # stale until every rank is complete again
     report_plan(job, plan, manifest, by_file)
@@ -119,8 +120,8 @@ def _precompute(job: Job, device: torch.device, tp: TensorParallel, overwrite: b
                   f"rank {job.worker.rank}'s {len(plan) - len(manifest.shards)} shards still to write")
     if not recipe.data.regenerate:
         warn_if_oversubscribed("precompute", tp.is_leader)
-    write_shards(plan, manifest, engine, job.out, job.worker.rank, write=tp.is_leader)
-    return finish(job, manifest, start) if tp.is_leader else manifest
+    write_shards(plan, manifest, index, engine, job.out, job.worker.rank, write=tp.is_leader)
+    return finish(job, manifest, index, start) if tp.is_leader else manifest
 
 
 def resolve_worker(rank: int | None, world: int | None, tp: int) -> Worker:
@@ -181,8 +182,8 @@ def complete_features(job: Job) -> Manifest | None:
     return None
 
 
-def resume_point(job: Job, tp: TensorParallel, overwrite: bool) -> Manifest | None:
-    """Prepare the directory and return this rank's manifest to continue from, if any.
+def resume_point(job: Job, tp: TensorParallel, overwrite: bool) -> tuple[Manifest, RankIndex] | None:
+    """Prepare the directory and return this rank's manifest and index to continue from, if any.
 
     Under TP every rank runs the same forwards, but only the leader touches the directory."""
     old = None
@@ -192,15 +193,19 @@ def resume_point(job: Job, tp: TensorParallel, overwrite: bool) -> Manifest | No
         torch.distributed.barrier()
         if not tp.is_leader and job.manifest_path.is_file():
             old = load_manifest(job.manifest_path)
-    return old
+    if old is None:
+        return None
+    shards = old.shards
+    return old, load_index(job.out / index_name(job.worker.rank), [s.num_seqs for s in shards],
+                           [s.num_tokens for s in shards])
 
 
-def load_data(job: Job) -> tuple[LoadedData, list[int]]:
-    """The dataset, checked, and the ids of the rows this worker owns."""
+def load_data(job: Job) -> LoadedData:
+    """This worker's block of the dataset's rows, checked (no other row is converted)."""
     d = job.recipe.data
-    data = load_rows(d.train, d.format, d.skip_bad_rows, d.max_rows)
+    data = load_rows(d.train, d.format, d.skip_bad_rows, d.max_rows, (job.worker.rank, job.worker.world))
     check_rows(data, job.tokenizer, str(job.recipe.target.path))
-    return data, rank_slice([r.row_id for r in data.rows], job.worker.rank, job.worker.world)
+    return data
 
 
 def load_engine(recipe: Recipe, device: torch.device, tp: TensorParallel) -> Engine:
@@ -211,10 +216,9 @@ def load_engine(recipe: Recipe, device: torch.device, tp: TensorParallel) -> Eng
                              max_batch_tokens=recipe.precompute.batch_tokens)
 
 
-def rows_to_score(job: Job, data: LoadedData, mine: list[int], engine: Engine, tp: TensorParallel) -> list[Row]:
+def rows_to_score(job: Job, data: LoadedData, engine: Engine, tp: TensorParallel) -> list[Row]:
     """This worker's rows; with ``data.regenerate``, their assistant turns answered by the target."""
-    by_id = {r.row_id: r for r in data.rows}
-    rows = [by_id[i] for i in mine]
+    rows = data.rows
     d = job.recipe.data
     if not d.regenerate:
         return rows
@@ -228,23 +232,21 @@ def rows_to_score(job: Job, data: LoadedData, mine: list[int], engine: Engine, t
     return regenerate(rows, job.tokenizer, engine, d.sampling, max_length=d.max_length, file=answers)
 
 
-def new_manifest(job: Job, engine: Engine, data: LoadedData, mine: list[int], encoded: list[Encoded]) -> Manifest:
-    """The manifest of a rank that has written no shard yet."""
+def new_manifest(job: Job, engine: Engine, data: LoadedData, encoded: list[Encoded]) -> tuple[Manifest, RankIndex]:
+    """The manifest and index of a rank that has written no shard yet."""
     recipe = job.recipe
-    return Manifest(
+    mine = [r.row_id for r in data.rows]
+    heldout = heldout_ids(data.num_rows, recipe.data.heldout_rows, recipe.seed)
+    manifest = Manifest(
         ranks=[job.worker.rank], world_size=job.worker.world, fingerprint=job.fingerprint, settings=job.settings,
         layers=stored_layers(recipe, job.cfg), hidden_size=engine.cfg.hidden_size,
         topk=recipe.precompute.topk, regenerated=recipe.data.regenerate,
         sampling=recipe.data.sampling.model_dump() if recipe.data.regenerate else None,
-        row_ids=mine, heldout_row_ids=sorted(heldout_ids_from([r.row_id for r in data.rows], recipe)),
+        num_rows=len(mine), heldout_row_ids=[i for i in mine if i in heldout],
         skipped_rows=[{"file": f, "index": i, "why": w} for f, i, w in data.bad_rows],
         truncated_rows=sum(t for _, _, t in encoded),
     )
-
-
-def heldout_ids_from(all_ids: list[int], recipe: Recipe) -> set[int]:
-    picks = heldout_ids(len(all_ids), recipe.data.heldout_rows, recipe.seed)
-    return {all_ids[i] for i in picks}
+    return manifest, RankIndex(np.asarray(mine, np.int64), [], [])
 
 
 def report_plan(job: Job, plan: ShardPlan, manifest: Manifest, by_file: dict[str, list[int]]) -> None:
@@ -258,7 +260,7 @@ def report_plan(job: Job, plan: ShardPlan, manifest: Manifest, by_file: dict[str
         print(f"precompute: {path}: {file_masked / file_total:.1%} of its tokens masked in", file=sys.stderr)
 
 
-def finish(job: Job, manifest: Manifest, start: float) -> Manifest:
+def finish(job: Job, manifest: Manifest, index: RankIndex, start: float) -> Manifest:
     """Mark this rank complete, and merge the manifests once every rank is."""
     pause_point("readback", job.worker.rank)  # test hook: the shards are on disk, not yet read back
     began = time.perf_counter()
@@ -270,7 +272,7 @@ def finish(job: Job, manifest: Manifest, start: float) -> Manifest:
     print(f"precompute: rank {job.worker.rank} read back its {len(manifest.shards)} shards: sha256 as written "
           f"({time.perf_counter() - began:.0f}s)", file=sys.stderr)
     manifest.complete = True
-    save_manifest(job.manifest_path, manifest)
+    save_rank(job.out, job.worker.rank, manifest, index)
     out, world = job.out, job.worker.world
     merged = merge_manifests(out, world)
     totals = manifest.totals()

@@ -14,6 +14,7 @@ from mtp_train.errors import UserError
 from mtp_train.io import crash_point, group_by_tokens
 from mtp_train.progress import Progress
 from mtp_train.data.dataset import Row
+from mtp_train.features.index import RankIndex, index_name
 from mtp_train.features.manifest import Manifest, ShardEntry, rank_manifest_name, save_manifest, shard_name
 from mtp_train.features.writer import ShardWriter
 
@@ -44,17 +45,21 @@ class ShardPlan:
     def tokens(self, index: int) -> int:
         return sum(len(self.encoded[i][0]) for i in self.shards[index])
 
+    def seq_tokens(self, index: int) -> list[int]:
+        return [len(self.encoded[i][0]) for i in self.shards[index]]
+
     def sequences(self, index: int) -> list[tuple[list[int], list[int]]]:
         """Token ids and loss mask of each row of shard ``index``."""
         return [(self.encoded[i][0], self.encoded[i][1]) for i in self.shards[index]]
 
 
-def plan_shards(rows: list[Row], encoded: list[Encoded], shard_tokens: int, manifest: Manifest, out: Path
-                ) -> ShardPlan:
-    """Cut the rows into shards; the shards ``manifest`` already records must be the plan's first ones."""
+def plan_shards(rows: list[Row], encoded: list[Encoded], shard_tokens: int, manifest: Manifest, index: RankIndex,
+                out: Path) -> ShardPlan:
+    """Cut the rows into shards; the shards ``manifest`` already records (their rows in ``index``) must be the
+    plan's first ones."""
     plan = ShardPlan(rows, encoded, group_by_tokens([len(ids) for ids, _, _ in encoded], shard_tokens))
     for s, entry in enumerate(manifest.shards):
-        if s >= len(plan) or entry.row_ids != plan.row_ids(s):
+        if s >= len(plan) or index.rows_of(s) != plan.row_ids(s):
             raise UserError(f"{out / entry.file}: holds rows that no longer match the plan; rerun with --overwrite")
     return plan
 
@@ -75,30 +80,39 @@ def _shard_tensors(scored: ScoreOutput, rows: list[tuple[list[int], list[int]]],
     return tensors
 
 
-def write_shards(plan: ShardPlan, manifest: Manifest, engine: Engine, out: Path, rank: int, write: bool) -> None:
-    """Score every shard of ``plan`` that rank ``rank``'s ``manifest`` does not record yet; with ``write`` (under
-    tensor parallelism, the leader only) write each one to ``out`` and record it in the manifest once on disk."""
-    manifest_path, done = out / rank_manifest_name(rank), len(manifest.shards)
+def save_rank(out: Path, rank: int, manifest: Manifest, index: RankIndex) -> None:
+    """The rank's index, then its manifest (the commit point: an index ahead of it is cut back on reading)."""
+    index.save(out / index_name(rank))
+    save_manifest(out / rank_manifest_name(rank), manifest)
 
-    def record(index: int, path: Path, sha: str, size: int) -> None:
-        ids = plan.row_ids(index)
-        manifest.shards.append(ShardEntry(file=path.name, num_seqs=len(ids), num_tokens=plan.tokens(index),
-                                          row_ids=ids, sha256=sha, bytes=size))
-        save_manifest(manifest_path, manifest)
+
+def write_shards(plan: ShardPlan, manifest: Manifest, index: RankIndex, engine: Engine, out: Path, rank: int,
+                 write: bool) -> None:
+    """Score every shard of ``plan`` that rank ``rank``'s ``manifest`` does not record yet; with ``write`` (under
+    tensor parallelism, the leader only) write each one to ``out`` and record it in the index and the manifest once
+    on disk."""
+    done = len(manifest.shards)
+
+    def record(shard: int, path: Path, sha: str, size: int) -> None:
+        ids = plan.row_ids(shard)
+        index.add(ids, plan.seq_tokens(shard))
+        manifest.shards.append(ShardEntry(file=path.name, rank=rank, num_seqs=len(ids), num_tokens=plan.tokens(shard),
+                                          sha256=sha, bytes=size))
+        save_rank(out, rank, manifest, index)
 
     writer = ShardWriter(record) if write else None
     stored = sum(plan.tokens(s) for s in range(done))  # tokens of the shards already written
     progress = Progress("precompute", plan.total_tokens, "tokens", initial=stored, enabled=write)
     try:
-        for index in range(done, len(plan)):
-            crash_point("forward", index)
-            seqs = plan.sequences(index)
-            progress.note = f"shard {index + 1}/{len(plan)}"
+        for s in range(done, len(plan)):
+            crash_point("forward", s)
+            seqs = plan.sequences(s)
+            progress.note = f"shard {s + 1}/{len(plan)}"
             scored = engine.score([ids for ids, _ in seqs], layers=manifest.layers, topk=manifest.topk,
                                   on_batch=lambda n: progress.update(n, tokens=n))
             if writer is not None:
-                meta = {"format_version": "1", "rank": str(rank), "row_ids": json.dumps(plan.row_ids(index))}
-                writer.submit(index, out / shard_name(rank, index), _shard_tensors(scored, seqs, manifest.topk), meta)
+                meta = {"format_version": "1", "rank": str(rank), "row_ids": json.dumps(plan.row_ids(s))}
+                writer.submit(s, out / shard_name(rank, s), _shard_tensors(scored, seqs, manifest.topk), meta)
     finally:
         progress.close()
         if writer is not None:

@@ -22,7 +22,8 @@ class Row:
 
 @dataclass
 class LoadedData:
-    rows: list[Row]
+    rows: list[Row]  # the rows asked for (all, or one worker's block), bad ones left out
+    num_rows: int = 0  # rows of the whole data (good or bad, up to ``max_rows``), not only those loaded
     file_rows: dict[str, int] = field(default_factory=dict)  # file -> rows it holds
     formats: dict[str, str] = field(default_factory=dict)  # file -> detected/declared format
     bad_rows: list[tuple[str, int, str]] = field(default_factory=list)  # (file, index in file, why)
@@ -52,14 +53,28 @@ def _load_file(path: Path):
     raise UserError(f"{path}: unsupported data file; use JSONL, JSON, Parquet or a saved HF dataset directory")
 
 
-def load_rows(files: list[Path], fmt: str, skip_bad_rows: bool, max_rows: int | None) -> LoadedData:
-    """All rows of ``files`` in order, as messages or text; bad rows are an error unless skipped."""
+def load_rows(files: list[Path], fmt: str, skip_bad_rows: bool, max_rows: int | None,
+              part: tuple[int, int] = (0, 1)) -> LoadedData:
+    """The rows of ``files`` in order, as messages or text; bad rows are an error unless skipped.
+
+    ``part`` = (rank, world): only the contiguous block of row ids that rank owns (:func:`rank_block`) is read and
+    converted; every file is opened (for its length), no other row is touched.
+    """
     out = LoadedData(rows=[])
-    next_id = 0
+    loaded = []
     for path in files:
         if not path.exists():
             raise UserError(f"data.train: {path} not found")
         ds = _load_file(path)
+        loaded.append((path, ds))
+        out.file_rows[str(path)] = len(ds)
+        out.num_rows += len(ds)
+        if max_rows is not None and out.num_rows >= max_rows:
+            out.num_rows = max_rows
+            break
+    lo, hi = rank_block(out.num_rows, *part)
+    next_id = 0
+    for path, ds in loaded:
         file_fmt = fmt if fmt != "auto" else detect_format(list(ds.column_names))
         if file_fmt is None:
             raise UserError(
@@ -67,23 +82,29 @@ def load_rows(files: list[Path], fmt: str, skip_bad_rows: bool, max_rows: int | 
                 "set data.format (sharegpt, openai, prompt_completion or text)"
             )
         out.formats[str(path)] = file_fmt
-        out.file_rows[str(path)] = len(ds)
-        for i, raw in enumerate(ds):
-            row_id = next_id + i
-            if max_rows is not None and row_id >= max_rows:
-                break
-            try:
-                out.rows.append(Row(row_id, to_messages(raw, file_fmt)))
-            except BadRow as e:
-                if not skip_bad_rows:
-                    raise UserError(
-                        f"{path}: row {i} does not fit format {file_fmt!r} ({e}); fix it or set data.skip_bad_rows: true"
-                    ) from None
-                out.bad_rows.append((str(path), i, str(e)))
+        first, last = max(lo - next_id, 0), min(hi - next_id, len(ds))
+        if first < last:
+            for i, raw in enumerate(ds.select(range(first, last)), start=first):
+                _add_row(out, path, i, next_id + i, raw, file_fmt, skip_bad_rows)
         next_id += len(ds)
-        if max_rows is not None and next_id >= max_rows:
-            break
     return out
+
+
+def _add_row(out: LoadedData, path: Path, i: int, row_id: int, raw: dict, fmt: str, skip_bad_rows: bool) -> None:
+    """Row ``i`` of file ``path`` converted into ``out.rows``, or recorded as bad (an error unless skipped)."""
+    try:
+        out.rows.append(Row(row_id, to_messages(raw, fmt)))
+    except BadRow as e:
+        if not skip_bad_rows:
+            raise UserError(
+                f"{path}: row {i} does not fit format {fmt!r} ({e}); fix it or set data.skip_bad_rows: true"
+            ) from None
+        out.bad_rows.append((str(path), i, str(e)))
+
+
+def rank_block(num_rows: int, rank: int, world: int) -> tuple[int, int]:
+    """The row ids ``[lo, hi)`` that rank ``rank`` of ``world`` owns: a contiguous block, in order."""
+    return rank * num_rows // world, (rank + 1) * num_rows // world
 
 
 def count_rows(files: list[Path]) -> int:
@@ -97,12 +118,6 @@ def count_rows(files: list[Path]) -> int:
 def heldout_ids(num_rows: int, count: int, seed: int) -> set[int]:
     """The seeded draw of rows that training never sees (the eval's held-out prompts)."""
     return set(random.Random(seed).sample(range(num_rows), min(count, num_rows)))
-
-
-def rank_slice(row_ids: list[int], rank: int, world: int) -> list[int]:
-    """Rank ``rank`` of ``world`` owns a contiguous block of the rows, in order."""
-    n = len(row_ids)
-    return row_ids[rank * n // world : (rank + 1) * n // world]
 
 
 def encode(tokenizer: Any, content: Messages | str, max_length: int) -> tuple[list[int], list[int], bool]:

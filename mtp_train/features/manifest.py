@@ -1,7 +1,9 @@
 """The features manifest and the fingerprints that tie features to their target, tokenizer and data.
 
 Each worker keeps ``manifest.rank-RRRRR.json`` for its own shards; when every rank is complete,
-``manifest.json`` holds their union. All manifests are written atomically.
+``manifest.json`` holds their union. All manifests are written atomically. They hold a summary only (per shard: its
+file, sequences, tokens, bytes and sha256): which rows each shard holds is in the ranks' binary indexes
+(``mtp_train.features.index``), so that the manifest stays small at millions of sequences.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from mtp_train.errors import UserError
 from mtp_train.hf_checkpoint import find_checkpoint
 from mtp_train.io import write_json_atomic
 
-FORMAT_VERSION = 2  # 2: shards hold ``tail_logprob`` (the exact mass outside the top-K)
+# 2: shards hold ``tail_logprob`` (the exact mass outside the top-K); 3: row ids and sequence lengths in the ranks'
+# binary indexes (``index.rank-RRRRR.safetensors``), not in the manifest
+FORMAT_VERSION = 3
 MERGED = "manifest.json"
 
 
@@ -32,9 +36,9 @@ def shard_name(rank: int, index: int) -> str:
 
 class ShardEntry(BaseModel):
     file: str
+    rank: int  # the worker that wrote it; its index holds the shard's row ids and sequence lengths
     num_seqs: int
     num_tokens: int
-    row_ids: list[int]
     sha256: str
     bytes: int
 
@@ -59,8 +63,8 @@ class Manifest(BaseModel):
     topk: int
     regenerated: bool = False
     sampling: dict[str, Any] | None = None
-    row_ids: list[int]  # every row these ranks own (bad rows excluded)
-    heldout_row_ids: list[int]
+    num_rows: int  # rows these ranks own (bad rows excluded); their ids are in the ranks' indexes
+    heldout_row_ids: list[int]  # those of these ranks' rows that training never sees
     skipped_rows: list[dict[str, Any]] = []
     truncated_rows: int = 0
     shards: list[ShardEntry] = []
@@ -90,7 +94,8 @@ def union(parts: list[tuple[Path, Manifest]]) -> Manifest:
         if part.fingerprint != merged.fingerprint:
             raise UserError(f"{path}: fingerprint differs from {parts[0][0].name}'s; these ranks ran different recipes")
         merged.ranks += part.ranks
-        merged.row_ids += part.row_ids
+        merged.num_rows += part.num_rows
+        merged.heldout_row_ids = sorted(merged.heldout_row_ids + part.heldout_row_ids)
         merged.skipped_rows += part.skipped_rows
         merged.truncated_rows += part.truncated_rows
         merged.shards += part.shards

@@ -1,5 +1,8 @@
 """Read features back: one sequence at a time (memory-mapped) or a whole batch's rows at once (positioned reads),
-refused if from another target."""
+refused if from another target.
+
+At start-up a reader reads ``manifest.json`` and the ranks' indexes (where every sequence lives), and opens each
+shard once, for its header; it never reads a shard's ``cu_seqlens`` or keeps a Python object per sequence."""
 
 from __future__ import annotations
 
@@ -14,27 +17,19 @@ import threading
 import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import SafetensorError, safe_open
 
 from mtp_train.errors import UserError
-from mtp_train.features.manifest import Manifest, target_fingerprint
+from mtp_train.features.index import SequenceRef, SequenceTable, by_rank, load_indexes, sequence_table
+from mtp_train.features.manifest import Manifest, ShardEntry, target_fingerprint
 from mtp_train.features.verify import load_features_manifest
 from mtp_train.threads import leave_signals_to_main_thread
 
 
-@dataclass(frozen=True)
-class SequenceRef:
-    """Where one stored sequence lives: shard file and token range ``[start, stop)``."""
-
-    row_id: int
-    shard: str
-    start: int
-    stop: int
+__all__ = ["FeatureReader", "SequenceRef", "SequenceTable"]
 
 
 class FeatureReader:
@@ -53,7 +48,6 @@ class FeatureReader:
             raise UserError(f"{self.root}: features are incomplete; rerun precompute to finish them")
         if target is not None and target_fingerprint(Path(target)) != self.manifest.fingerprint["target"]:
             raise UserError(f"{self.root}: features were computed from a different target than {target}")
-        self.sequences: list[SequenceRef] = []
         self._files: dict[str, MappedShard] = {}
         self._fds: dict[str, ShardFile] = {}
         self._lock = threading.Lock()
@@ -61,13 +55,15 @@ class FeatureReader:
         self._ahead: set[str] = set()  # the shards the last read_ahead asked for
         self._ahead_pool: ThreadPoolExecutor | None = None
         self._pending: dict[str, Future] = {}  # shard -> its read ahead
-        for entry in self.manifest.shards:
-            cu = _check_shard(self.root / entry.file, entry.bytes)
-            for row_id, a, b in zip(entry.row_ids, cu[:-1], cu[1:]):
-                self.sequences.append(SequenceRef(row_id, entry.file, a, b))
-        heldout = set(self.manifest.heldout_row_ids)
-        self.train = [s for s in self.sequences if s.row_id not in heldout]
-        self.heldout = [s for s in self.sequences if s.row_id in heldout]
+        groups = by_rank(self.manifest)
+        indexes = load_indexes(self.root, self.manifest)
+        entries = [e for shards in groups.values() for e in shards]
+        for entry in entries:
+            _check_shard(self.root / entry.file, entry)
+        self.sequences: SequenceTable = sequence_table([e.file for e in entries], list(indexes.values()))
+        heldout = np.isin(self.sequences.row_id, np.asarray(self.manifest.heldout_row_ids, np.int64))
+        self.train: SequenceTable = self.sequences[np.flatnonzero(~heldout)]
+        self.heldout: SequenceTable = self.sequences[np.flatnonzero(heldout)]
 
     def _open(self, shard: str) -> MappedShard:
         if shard not in self._files:
@@ -245,21 +241,20 @@ def damaged(path: Path, problem: str) -> UserError:
                      "(`mtp-train precompute RECIPE --overwrite` writes them again)")
 
 
-def _check_shard(path: Path, size: int) -> list[int]:
-    """The shard's ``cu_seqlens``, once it is there with the manifest's size and a header that reads (no hashing:
-    ``mtp-train verify`` checks the contents)."""
+def _check_shard(path: Path, entry: ShardEntry) -> None:
+    """The shard is there with the manifest's size, and its header (one open, one read) reads and holds the
+    manifest's tokens and sequences (no hashing: ``mtp-train verify`` checks the contents)."""
     try:
         actual = path.stat().st_size
     except FileNotFoundError:
         raise damaged(path, "missing") from None
-    if actual != size:
-        raise damaged(path, f"{actual} bytes, the manifest says {size} (truncated or replaced)")
-    _read_header(path)
-    try:
-        with safe_open(path, framework="pt") as f:
-            return f.get_tensor("cu_seqlens").tolist()
-    except SafetensorError as e:
-        raise damaged(path, f"unreadable ({str(e).splitlines()[0][:160]})") from None
+    if actual != entry.bytes:
+        raise damaged(path, f"{actual} bytes, the manifest says {entry.bytes} (truncated or replaced)")
+    meta, _ = _read_header(path)
+    shapes = {name: meta[name][1] if name in meta else None for name in ("input_ids", "cu_seqlens")}
+    if shapes != {"input_ids": [entry.num_tokens], "cu_seqlens": [entry.num_seqs + 1]}:
+        raise damaged(path, f"its header's shapes {shapes} are not the manifest's {entry.num_tokens} tokens in "
+                            f"{entry.num_seqs} sequences (replaced)")
 
 
 def _read_header(path: Path) -> tuple[dict[str, tuple[torch.dtype, list[int], int]], int]:

@@ -12,7 +12,10 @@ from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
+import numpy as np
+
 from mtp_train.errors import UserError
+from mtp_train.features.index import by_rank, load_indexes
 from mtp_train.features.manifest import MERGED, Manifest, load_manifest, rank_manifest_name, union
 
 
@@ -43,8 +46,10 @@ def _expected(manifest: Manifest, t: int, s: int) -> dict[str, tuple[tuple[int, 
     return shapes
 
 
-def check_shard(root: Path, manifest: Manifest, entry, contents: bool = True) -> str | None:
-    """The first problem with one shard, or None; ``contents``: its sha256 too, else its size and header only."""
+def check_shard(root: Path, manifest: Manifest, entry, rows: list[int], seq_tokens: np.ndarray,
+                contents: bool = True) -> str | None:
+    """The first problem with one shard, or None: its size, its header against the manifest, and its row ids and
+    ``cu_seqlens`` against the index's ``rows`` and ``seq_tokens [num_seqs]``; ``contents``: its sha256 too."""
     path = root / entry.file
     if not path.is_file():
         return f"{path}: missing"
@@ -54,25 +59,31 @@ def check_shard(root: Path, manifest: Manifest, entry, contents: bool = True) ->
         return f"{path}: sha256 mismatch (corrupted)"
     try:
         with safe_open(path, framework="pt") as f:
-            if json.loads((f.metadata() or {}).get("row_ids", "null")) != entry.row_ids:
-                return f"{path}: header row ids differ from the manifest's"
+            if json.loads((f.metadata() or {}).get("row_ids", "null")) != rows:
+                return f"{path}: header row ids differ from the index's"
             for name, (shape, dtype) in _expected(manifest, entry.num_tokens, entry.num_seqs).items():
                 if name not in f.keys():
                     return f"{path}: tensor {name!r} missing"
                 sl = f.get_slice(name)
                 if tuple(sl.get_shape()) != shape or sl.get_dtype() != dtype:
                     return f"{path}: tensor {name!r} is {sl.get_dtype()} {sl.get_shape()}, expected {dtype} {list(shape)}"
-            cu = f.get_tensor("cu_seqlens")
-            if int(cu[0]) != 0 or int(cu[-1]) != entry.num_tokens or bool((cu[1:] < cu[:-1]).any()):
-                return f"{path}: cu_seqlens do not partition its {entry.num_tokens} tokens"
+            cu = f.get_tensor("cu_seqlens").numpy()
+            if int(cu[0]) != 0 or not np.array_equal(np.diff(cu), seq_tokens):
+                return f"{path}: cu_seqlens differ from the sequence lengths of the index"
     except (SafetensorError, OSError, ValueError) as e:  # a damaged header (ValueError: its row ids not JSON)
         return f"{path}: unreadable safetensors ({e})"
     return None
 
 
 def check_shards(root: Path, manifest: Manifest, contents: bool = True) -> list[str]:
-    """The problems of the shards ``manifest`` lists (:func:`check_shard` of each)."""
-    return [problem for entry in manifest.shards if (problem := check_shard(root, manifest, entry, contents))]
+    """The problems of the shards ``manifest`` lists (:func:`check_shard` of each, against its rank's index)."""
+    indexes, problems = load_indexes(root, manifest), []
+    for rank, entries in by_rank(manifest).items():
+        index = indexes[rank]
+        for s, entry in enumerate(entries):
+            problem = check_shard(root, manifest, entry, index.rows_of(s), index.shard_tokens[s], contents)
+            problems += [problem] if problem else []
+    return problems
 
 
 def _sha256(path: Path) -> str:
@@ -95,10 +106,12 @@ def verify(root: Path, contents: bool = True) -> tuple[list[str], Manifest]:
         missing = sorted(set(range(manifest.world_size)) - set(ranks))
         problems.append(f"{root}: manifest(s) of rank(s) {missing} missing, e.g. {rank_manifest_name(missing[0])}")
     problems += check_shards(root, manifest, contents)
-    covered = [r for s in manifest.shards for r in s.row_ids]
-    if len(covered) != len(set(covered)):
+    indexes = load_indexes(root, manifest).values()
+    covered = np.sort(np.concatenate([np.zeros(0, np.int64)] + [r for i in indexes for r in i.shard_rows]))
+    if (covered[1:] == covered[:-1]).any():
         problems.append(f"{root}: some rows are stored more than once")
-    if manifest.complete and sorted(covered) != sorted(manifest.row_ids):
-        lost = sorted(set(manifest.row_ids) - set(covered))
-        problems.append(f"{root}: {len(lost)} row(s) not covered by any shard, e.g. row {lost[:1]}")
+    owned = np.sort(np.concatenate([np.zeros(0, np.int64)] + [i.owned for i in indexes]))
+    if manifest.complete and not np.array_equal(covered, owned):
+        lost = np.setdiff1d(owned, covered)
+        problems.append(f"{root}: {len(lost)} row(s) not covered by any shard, e.g. row {lost[:1].tolist()}")
     return problems, manifest

@@ -5,13 +5,13 @@ from __future__ import annotations
 import itertools
 import math
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from mtp_train.io import group_by_tokens
-from mtp_train.features.reader import FeatureReader, SequenceRef
+from mtp_train.features.reader import FeatureReader, SequenceRef, SequenceTable
 
 
 @dataclass
@@ -50,60 +50,129 @@ class Batch:
 # shuffled among themselves and cut into batches, so a batch draws on at most W shard files and the loader can read
 # each window's files whole and in order, one window ahead (``load_batch``), instead of scattered rows from every
 # shard. Memory: about two windows of shard files in the page cache. A dataset with fewer shards than W is one window
-# per epoch, a global shuffle.
+# per epoch, a global shuffle. With several ranks, each rank takes its own windows (``plan_batches``).
 SHARD_WINDOW = 4
 
 
-def plan_windows(refs: list[SequenceRef], seed: int, epoch: int) -> list[list[str]]:
+def plan_windows(refs: SequenceTable, seed: int, epoch: int) -> list[list[str]]:
     """The shard files of each window of one epoch, in visiting order (a seeded permutation of the shards, cut
     into consecutive runs of ``SHARD_WINDOW``)."""
-    shards = list(dict.fromkeys(r.shard for r in refs))
+    ids, first = np.unique(refs.shard, return_index=True)
+    shards = [refs.names[i] for i in ids[np.argsort(first)]]
     perm = torch.randperm(len(shards), generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
     order = [shards[i] for i in perm]
     return [order[i : i + SHARD_WINDOW] for i in range(0, len(order), SHARD_WINDOW)]
 
 
-def plan_batches(refs: list[SequenceRef], batch_tokens: int, seed: int, epoch: int) -> list[list[int]]:
-    """Indices into ``refs`` for each batch of one epoch: window by window (``plan_windows``), a seeded shuffle of
-    the window's sequences cut greedily by ``batch_tokens``; no batch spans two windows.
+class BatchPlan:
+    """One rank's batches of one epoch: batch ``b`` is ``order[bounds[b]:bounds[b + 1]]``, indices into the
+    planned sequences (``order [n]`` int64, ``bounds [B+1]`` int64); ``plan[b]`` is that list of ints."""
 
-    Also records, for ``load_batch``, which window each batch belongs to and which comes next (the first window of
-    the next epoch after the last), so that it can ask for whole shard files ahead of their rows.
+    def __init__(self, order: np.ndarray, bounds: np.ndarray) -> None:
+        self.order, self.bounds = order, bounds
+
+    def __len__(self) -> int:
+        return len(self.bounds) - 1
+
+    def __getitem__(self, b: int) -> list[int]:
+        if not -len(self) <= b < len(self):
+            raise IndexError(b)
+        b %= len(self)
+        return self.order[self.bounds[b] : self.bounds[b + 1]].tolist()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return (self[b] for b in range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, BatchPlan) and np.array_equal(self.order, other.order)
+                and np.array_equal(self.bounds, other.bounds))
+
+
+def plan_batches(refs: SequenceTable, batch_tokens: int, seed: int, epoch: int, rank: int = 0, world: int = 1
+                 ) -> BatchPlan:
+    """Rank ``rank`` of ``world``'s batches of one epoch, as indices into ``refs``: window by window
+    (``plan_windows``), a seeded shuffle of the window's sequences cut greedily by ``batch_tokens``; no batch spans
+    two windows. Each rank takes every ``world``-th window (so it reads only its own shard files), or, when there
+    are fewer windows than ranks, every ``world``-th batch of them all. The ranks' plans together are the plan of
+    ``world = 1``; they may differ in length by a few batches (the trainer wraps around).
+
+    Also records, for ``load_batch``, which shard files each batch's window and the window this rank visits next
+    hold, so that it can ask for whole shard files ahead of their rows.
     """
     windows = plan_windows(refs, seed, epoch)
-    after = windows[1:] + plan_windows(refs, seed, epoch + 1)[:1]  # what each window's successor is
-    gen = torch.Generator().manual_seed((seed * 1000 + epoch) * 7919 + 1)
-    by_shard: dict[str, list[int]] = {}
-    for i, r in enumerate(refs):
-        by_shard.setdefault(r.shard, []).append(i)
-    plan, ahead = [], {}
-    for w, shards in enumerate(windows):
-        members = [i for s in shards for i in by_shard[s]]
-        order = [members[j] for j in torch.randperm(len(members), generator=gen).tolist()]
-        lengths = [min(refs[i].stop - refs[i].start, batch_tokens) for i in order]
-        readahead = tuple(dict.fromkeys(shards + after[w]))
-        for group in group_by_tokens(lengths, batch_tokens):
-            plan.append([order[j] for j in group])
-            ahead[refs[plan[-1][0]]] = readahead
+    split = 1 < world <= len(windows)
+    mine = list(range(rank, len(windows), world)) if split else list(range(len(windows)))
+    following = plan_windows(refs, seed, epoch + 1)
+    after = [windows[w] for w in mine[1:]] + following[rank if split else 0 :][:1]  # what this rank reads next
+    members = _by_shard(refs)
+    lengths = np.minimum(refs.lengths, batch_tokens)
+    orders, cuts, ahead = [], [np.zeros(1, np.int64)], {}
+    for w, later in zip(mine, after):
+        idx = np.concatenate([members[s] for s in windows[w]])
+        gen = torch.Generator().manual_seed(((seed * 1000 + epoch) * 7919 + 1) * 100_003 + w)
+        idx = idx[torch.randperm(len(idx), generator=gen).numpy()]
+        ends = _greedy_cuts(lengths[idx], batch_tokens)
+        readahead = tuple(dict.fromkeys(windows[w] + later))
+        for a, b in zip(np.concatenate([[0], ends[:-1]]), ends):
+            ahead[_key(refs, idx[a], idx[b - 1], b - a)] = readahead
+        cuts.append(ends + cuts[-1][-1])
+        orders.append(idx)
+    plan = BatchPlan(np.concatenate([np.zeros(0, np.int64)] + orders), np.concatenate(cuts))
+    if world > 1 and not split:
+        plan = _every_nth(plan, rank, world)
     global _readahead
     _readahead = ahead
     return plan
 
 
-# The latest plan's batches, by their first sequence: shard files of the batch's window and of the next window.
-_readahead: dict[SequenceRef, tuple[str, ...]] = {}
+def _by_shard(refs: SequenceTable) -> dict[str, np.ndarray]:
+    """Each shard file's sequences, as ascending indices into ``refs``."""
+    order = np.argsort(refs.shard, kind="stable")
+    counts = np.bincount(refs.shard, minlength=len(refs.names))
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    return {name: order[starts[i] : starts[i + 1]] for i, name in enumerate(refs.names) if counts[i]}
 
 
-def read_ahead(reader: FeatureReader, refs: list[SequenceRef]) -> None:
+def _greedy_cuts(lengths: np.ndarray, budget: int) -> np.ndarray:
+    """``[B]`` int64 end offsets of the groups ``mtp_train.io.group_by_tokens`` cuts ``lengths [n]`` into: each
+    group the longest run of at most ``budget`` tokens, or a single longer item."""
+    total = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+    ends, i = [], 0
+    while i < len(lengths):
+        i = max(int(np.searchsorted(total, total[i] + budget, side="right")) - 1, i + 1)
+        ends.append(i)
+    return np.asarray(ends, np.int64)
+
+
+def _every_nth(plan: BatchPlan, rank: int, world: int) -> BatchPlan:
+    """Batches ``rank``, ``rank + world``, ... of ``plan``."""
+    keep = range(rank, len(plan), world)
+    parts = [plan.order[plan.bounds[b] : plan.bounds[b + 1]] for b in keep]
+    sizes = np.asarray([len(p) for p in parts], np.int64)
+    return BatchPlan(np.concatenate([np.zeros(0, np.int64)] + parts), np.concatenate([[0], np.cumsum(sizes)]))
+
+
+def _key(refs: SequenceTable, first: int, last: int, n: int) -> tuple[str, int, str, int, int]:
+    """What names a batch in ``_readahead``: its first and last sequences (shard file, first token) and its size."""
+    return (refs.names[refs.shard[first]], int(refs.start[first]), refs.names[refs.shard[last]],
+            int(refs.start[last]), int(n))
+
+
+# The latest plan's batches (``_key``): the shard files of the batch's window and of the window this rank visits next.
+_readahead: dict[tuple[str, int, str, int, int], tuple[str, ...]] = {}
+
+
+def read_ahead(reader: FeatureReader, refs: list[SequenceRef] | SequenceTable) -> None:
     """If ``refs`` is a batch of the latest ``plan_batches``, hand its window's and the next window's shard files
     to ``reader.read_ahead`` (read whole in the background; a no-op for files already asked for). Other batches
     (validation's) ask for nothing."""
-    ahead = _readahead.get(refs[0]) if refs else None
+    ahead = (_readahead.get((refs[0].shard, refs[0].start, refs[-1].shard, refs[-1].start, len(refs)))
+             if len(refs) else None)
     if ahead is not None:
         reader.read_ahead(ahead)
 
 
-def load_batch(reader: FeatureReader, refs: list[SequenceRef], batch_tokens: int, dtype: torch.dtype,
+def load_batch(reader: FeatureReader, refs: list[SequenceRef] | SequenceTable, batch_tokens: int, dtype: torch.dtype,
                every_token: bool = False, aux: tuple[int, ...] = ()) -> Batch:
     """Read and pack ``refs`` (each cut to ``batch_tokens``); the last stored layer is the head's input, and the
     stored layers at indices ``aux`` (into ``manifest.layers``) fill ``Batch.aux``.

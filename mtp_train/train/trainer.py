@@ -44,7 +44,7 @@ from mtp_train.recipe import Recipe
 from mtp_train.threads import leave_signals_to_main_thread, set_threads, warn_if_oversubscribed
 from mtp_train.train.checkpoint import (begin_checkpoint, finish_checkpoint, head_is_complete, load_checkpoint,
                                         load_optimizer_shard, save_head, save_optimizer_shard)
-from mtp_train.train.data import Batch, load_batch, plan_batches
+from mtp_train.train.data import Batch, BatchPlan, load_batch, plan_batches
 from mtp_train.train.distributed import (EXIT_STOPPED, StopRequest, make_accelerator, optimizer_state,
                                          restore_optimizer, train_precision)
 from mtp_train.train.loss import LossWeights, StepMetrics
@@ -157,7 +157,7 @@ class Trainer:
     step: int
     wandb_run: Any  # a wandb run on rank 0 unless disabled, else None
     started: float  # time.perf_counter() when run_train began
-    plans: dict[int, list[list[int]]] = field(default_factory=dict)  # epoch -> its batches (sequence indices)
+    plans: dict[int, BatchPlan] = field(default_factory=dict)  # epoch -> this rank's batches (sequence indices)
     progress: Progress = field(init=False)
     stop_request: StopRequest = field(init=False)
     prefetch: ThreadPoolExecutor = field(init=False)  # the next micro-batch loads here while the current one trains
@@ -213,7 +213,7 @@ class Trainer:
 
     def _announce(self) -> None:
         t, reader, world = self.recipe.train, self.reader, self.accelerator.num_processes
-        epoch_tokens = sum(r.stop - r.start for r in reader.train)
+        epoch_tokens = reader.train.num_tokens
         print(f"train: {self.spec.kind} head, {sum(p.numel() for p in self.head.parameters()):,} parameters, "
               f"{len(reader.train)} train / {len(reader.heldout)} held-out sequences, {world} process(es), "
               f"{self.total} steps = {self.total / self.per_epoch:.2f} epochs of {self.per_epoch} steps "
@@ -225,11 +225,11 @@ class Trainer:
         The batch plan is made here, on the calling thread; the returned function reads the features."""
         t, reader, aux = self.recipe.train, self.reader, self.aux
         epoch, index = divmod(step, self.per_epoch)
-        if epoch not in self.plans:
-            self.plans[epoch] = plan_batches(reader.train, t.batch_tokens, self.recipe.seed, epoch)
-        plan = self.plans[epoch]  # a reshuffled epoch can cut a batch or two fewer than epoch 0: wrap around
-        position = (index * t.grad_accum + micro) * self.accelerator.num_processes + self.accelerator.process_index
-        ids = plan[position % len(plan)]
+        if epoch not in self.plans:  # this rank's own windows of the epoch
+            self.plans = {epoch: plan_batches(reader.train, t.batch_tokens, self.recipe.seed, epoch,
+                                              self.accelerator.process_index, self.accelerator.num_processes)}
+        plan = self.plans[epoch]  # a rank's plan can be a batch or two shorter than per_epoch: wrap around
+        ids = plan[(index * t.grad_accum + micro) % len(plan)]
         return lambda: load_batch(reader, [reader.train[i] for i in ids], t.batch_tokens, torch.float32,
                                   every_token=t.loss_tokens == "all", aux=aux)
 
