@@ -1,21 +1,26 @@
 """The GPU proof: attention parity, the whole pipeline on CUDA and decode speed, in one unattended run.
 
-Sections, each in a process of its own under a hard time limit, all inside one budget (465 s on a GPU): build (a random
+Sections, each in a process of its own under a hard time limit, all inside one budget (470 s on a GPU): build (a random
 Llama target, 8 layers, hidden 2048, bf16, with the tokenizer of recipes/tiny/target); parity:random (the runtime's
-torch and flashinfer attention backends against each other and against transformers in bf16, with pass marks set from
-the noise floor of transformers bf16 vs fp32; then greedy decode tokens/s against transformers ``generate``);
-precompute (320 rows of the shipped SGD data, then verify), train (50 steps of the mtp head, bf16 autocast) and eval
-(k = 1..4, T = 0 and 1; the measured speedup), each ``python -m mtp_train.cli STAGE`` on a recipe written into the
-work directory; parity:smollm2, as parity:random on .cache/smollm2-135m-instruct when it is there (~540 MB, over the
-carry limit, so seldom on the GPU machine: then one line says it was skipped). A failed section prints one line
-``FAIL section: why``, the run goes on, and the exit status is 1; flashinfer's not running on a GPU is a failure.
-The Markdown for bench/RESULTS.md comes last on stdout, and goes to $OUT/gpu_check.md too when $OUT is set.
+torch and flashinfer attention backends against each other and against transformers in bf16, on fresh prefills and
+over cached pages: decode steps and a verify step, each backend also against its own fresh prefill of the same
+tokens (``gpu_paged.py``); pass marks set from the noise floor of transformers bf16 vs fp32; then greedy decode
+tokens/s, which must at least match transformers ``generate``); precompute (320 rows of the shipped SGD data, then
+verify), train (30 steps of the mtp head, bf16 autocast), train:eagle3 and eval (k = 1..4, T = 0 and 1, the eagle3
+head compared; the measured speedup), each ``python -m mtp_train.cli STAGE`` on a recipe written into the work
+directory; then what a cluster runs besides (``gpu_pipeline.extra_stages``): DeepSpeed ZeRO-2 in bf16, a precompute
+that regenerates the answers, the whole pipeline on the tiny DeepSeek target, and TP = 2 over NCCL where two GPUs are
+present; parity:smollm2, as parity:random on .cache/smollm2-135m-instruct when it is there (~540 MB, over the carry
+limit, so seldom on the GPU machine: then one line says it was skipped). A failed section prints one line ``FAIL
+section: why``, the run goes on, and the exit status is 1; flashinfer's not running on a GPU is a failure. The
+Markdown for bench/RESULTS.md comes last on stdout, and goes to $OUT/gpu_check.md too when $OUT is set.
 
     python bench/gpu_check.py              # CUDA; without CUDA it says so in one line and exits 0
     python bench/gpu_check.py --cpu-smoke  # the same flow on CPU at tiny sizes (torch backend, k = 1..2)
 
 Device tool: once, here, ``bash bench/gpu_check.sh fetch`` downloads the wheels the GPU machine lacks (flashinfer,
-apache-tvm-ffi, pydantic, datasets and small dependencies, ~16 MB) into .whl/ and git-ignores it; then ``run`` with
+apache-tvm-ffi, pydantic, datasets, deepspeed (a wheel built here) and small dependencies, ~18 MB) into .whl/ and
+git-ignores it; then ``run`` with
 
     command: "bash bench/gpu_check.sh"    carry: [".whl"]    timeout_s: 560
 """
@@ -38,9 +43,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the project, installed or not
+from gpu_paged import fresh_rows, paged_logprobs  # noqa: E402  (bench/, this script's folder)
+from gpu_pipeline import extra_stages, summary, write_recipe  # noqa: E402
 TINY = ROOT / "recipes" / "tiny" / "target"
 SMOLLM2 = ROOT / ".cache" / "smollm2-135m-instruct"
-SGD = ROOT / "data" / "sgd" / "sgd_train_sharegpt.jsonl.gz"
+PAGED_STEPS, PAGED_VERIFY = 6, 4  # decode steps over cached pages, then the tokens of one verify step
+DECODE_PASS = 1.0  # the runtime's greedy decode must be at least as fast as transformers generate on a GPU
 
 
 @dataclass(frozen=True)
@@ -59,19 +67,21 @@ GPU = Size(
          max_position_embeddings=4096),
     (17, 300, 1000, 64, 513, 2000, 5, 128), (8, 128, 128),
     {"data": {"max_rows": 320, "heldout_rows": 32, "max_length": 512},
-     "train": {"max_steps": 50, "batch_tokens": 8192, "mixed_precision": "bf16"},
+     "train": {"max_steps": 30, "batch_tokens": 8192, "mixed_precision": "bf16"},
      "eval": {"k": [1, 2, 3, 4], "prompt_sets": ["heldout", "spec_bench"], "max_prompts": 8, "max_new_tokens": 64,
               "batch_size": 8}},
-    465, {"build": 60, "parity:random": 300, "precompute": 90, "train": 120, "eval": 150, "parity:smollm2": 150},
+    470, {"build": 60, "parity:random": 150, "precompute": 60, "train": 60, "train:eagle3": 45, "eval": 90,
+          "train:deepspeed": 60, "precompute:regenerate": 60, "pipeline:deepseek": 90, "precompute:tp2": 60,
+          "parity:smollm2": 60},
 )
 SMOKE = Size(
-    dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+    dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
          max_position_embeddings=512),
     (5, 17, 40), (2, 8, 8),
     {"data": {"max_rows": 24, "heldout_rows": 4, "max_length": 128},
      "train": {"max_steps": 3, "batch_tokens": 1024, "mixed_precision": "no"},
      "eval": {"k": [1, 2], "prompt_sets": ["heldout"], "max_prompts": 2, "max_new_tokens": 8, "batch_size": 2}},
-    600,
+    900,
 )
 
 
@@ -135,7 +145,8 @@ def parity(work: Path, size: Size, smoke: bool, which: str) -> list[str]:
     seqs = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in size.seq_lens]
     batch, prompt_len, new = size.decode
     prompts = [torch.randint(0, vocab, (prompt_len,), generator=g).tolist() for _ in range(batch)]
-    failures, logprobs, speed, outputs = [], {}, {}, {}
+    continuation = [torch.randint(0, vocab, (PAGED_STEPS + PAGED_VERIFY,), generator=g).tolist() for _ in prompts]
+    failures, logprobs, speed, outputs, paged = [], {}, {}, {}, {}
 
     def reference(dt):
         model = AutoModelForCausalLM.from_pretrained(root, dtype=dt, attn_implementation="sdpa").to(device).eval()
@@ -168,6 +179,8 @@ def parity(work: Path, size: Size, smoke: bool, which: str) -> list[str]:
             _, t_score = _timed(lambda: engine.score(seqs, layers=[-1], topk=32), device)
             with torch.no_grad():
                 logprobs[name] = engine.model.logits(scored.hidden[:, -1].to(device)).float().log_softmax(-1)
+            paged[name] = (paged_logprobs(engine, prompts, continuation, PAGED_STEPS),
+                           fresh_rows(engine, prompts, continuation, PAGED_STEPS))
             engine.generate(prompts, SamplingParams(max_new_tokens=4, stop_token_ids=()))
             greedy = SamplingParams(max_new_tokens=new, stop_token_ids=())
             results, t_gen = _timed(lambda: engine.generate(prompts, greedy), device)
@@ -183,15 +196,20 @@ def parity(work: Path, size: Size, smoke: bool, which: str) -> list[str]:
     pairs = [(b, "transformers") for b in backends if b in logprobs]
     if {"torch", "flashinfer"} <= logprobs.keys():
         pairs.append(("flashinfer", "torch"))
+    rows = {f"{b} over cached pages": p for b, (p, _) in paged.items()}
+    rows.update({f"{b} fresh": f for b, (_, f) in paged.items()})
+    pairs += [(f"{b} over cached pages", f"{b} fresh") for b in paged]
+    if {"torch", "flashinfer"} <= paged.keys():
+        pairs.append(("flashinfer over cached pages", "torch over cached pages"))
     print(f"| {'fp32' if smoke else 'bf16'}: {len(seqs)} packed sequences, {sum(size.seq_lens):,} tokens | top-1 "
           f"agreement | mean KL | max top-1 log-prob gap | identical greedy outputs ({batch} x {new} tokens) |\n"
           f"|---|---:|---:|---:|---:|\n| noise floor: transformers {'fp32 (none)' if smoke else 'bf16 vs fp32'} | "
           f"{floor[0]:.4f} | {floor[1]:.2e} | {floor[2]:.4f} | |\n"
           f"| pass marks | >= {limits[0]:.4f} | <= {limits[1]:.2e} | <= {limits[2]:.4f} | |")
     for a, b in pairs:
-        agree, kl, gap = _compare(logprobs[a], logprobs[b])
-        same = sum(x == y for x, y in zip(outputs[a], outputs[b]))
-        print(f"| {a} vs {b} | {agree:.4f} | {kl:.2e} | {gap:.4f} | {same}/{batch} |")
+        agree, kl, gap = _compare(logprobs.get(a, rows.get(a)), logprobs.get(b, rows.get(b)))
+        same = f"{sum(x == y for x, y in zip(outputs[a], outputs[b]))}/{batch}" if a in outputs else ""
+        print(f"| {a} vs {b} | {agree:.4f} | {kl:.2e} | {gap:.4f} | {same} |")
         if agree < limits[0] or kl > limits[1] or gap > limits[2]:
             failures.append(f"{a} vs {b}: top-1 agreement {agree:.4f}, mean KL {kl:.2e}, top-1 log-prob gap "
                             f"{gap:.4f}: beyond the pass marks")
@@ -200,7 +218,12 @@ def parity(work: Path, size: Size, smoke: bool, which: str) -> list[str]:
     base = speed["transformers generate"][1]
     for name, (s, d) in speed.items():
         print(f"| {name} | {'-' if s is None else f'{s:,.0f}'} | {d:,.0f} | x{d / base:.2f} |")
-    print()
+        if not smoke and name != "transformers generate" and d < DECODE_PASS * base:
+            failures.append(f"{name}: greedy decode at x{d / base:.2f} of transformers generate, under the pass "
+                            f"mark x{DECODE_PASS}")
+    print(f"\nPaged rows: {batch} sequences, {PAGED_STEPS} decode steps of one token, then a {PAGED_VERIFY}-token "
+          f"verify step, over the pages of {prompt_len}-token prompts. Decode pass mark (GPU): x{DECODE_PASS} of "
+          "generate.\n")
     (work / f"parity-{which}.json").write_text(json.dumps({"ran": sorted(logprobs)}))
     return failures
 
@@ -256,53 +279,6 @@ class Runner:
         return False
 
 
-def write_recipe(work: Path, size: Size, backend: str) -> Path:
-    r = size.recipe
-    recipe = {
-        "output_dir": str(work / "run"), "seed": 0, "threads": 1 if r["train"]["mixed_precision"] == "no" else None,
-        "target": {"path": str(work / "target"), "dtype": "auto", "attention_backend": backend},
-        "data": {"train": [str(SGD)], "format": "sharegpt", **r["data"]},
-        "precompute": {"layers": [-1], "topk": 32, "shard_tokens": 65536, "batch_tokens": 16384},
-        "head": {"kind": "mtp", "num_layers": 1},
-        "train": {"lr": 1e-3, "warmup_steps": 10, "unroll": 2, "val_every": r["train"]["max_steps"],
-                  "save_every": r["train"]["max_steps"], "wandb_mode": "disabled", **r["train"]},
-        "eval": {"temperatures": [0.0, 1.0], **r["eval"]},
-    }
-    (work / "recipe.yaml").write_text(json.dumps(recipe, indent=1) + "\n")  # JSON is YAML
-    return work / "recipe.yaml"
-
-
-def summary(stage: str, run: Path, size: Size, out: str) -> tuple[str, list[str]]:
-    """A stage's outcome in Markdown, read from what it wrote, and the problems it shows."""
-    if stage == "precompute":
-        rows = size.recipe["data"]["max_rows"]
-        return f"Precompute: {rows} rows of {SGD.relative_to(ROOT)}.\n\n```\n{out.strip()}\n```\n", []
-    if stage == "train":
-        config = json.loads((run / "heads" / "mtp" / "config.json").read_text())
-        log = [json.loads(ln) for ln in (run / "train_log.mtp.jsonl").read_text().splitlines() if ln.strip()]
-        t, v = size.recipe["train"], config["validation"]
-        return (f"Train: mtp head, {config['steps']} steps (mixed precision {t['mixed_precision']}, at most "
-                f"{t['batch_tokens']:,} tokens a step), loss {log[0]['loss']:.3f} -> {log[-1]['loss']:.3f}; held-out "
-                f"loss {v['val_loss']}, top-1 {v['val_top1']}, simulated tau {v['val_tau']}.\n"), []
-    r, e = json.loads((run / "eval" / "report.json").read_text()), size.recipe["eval"]
-    lines = [f"Eval: speculative decoding with the mtp head, {r['settings'].get('num_prompts', '?')} prompts from "
-             f"{', '.join(e['prompt_sets'])}, batch {e['batch_size']}, {e['max_new_tokens']} new tokens.\n",
-             "| k | T | tau | alpha | c | expected | measured | lossless |\n|---:|---:|---:|---|---:|---:|---:|---|"]
-    lines += [f"| {p['k']} | {p['temperature']:g} | {p['tau']:.3f} | {[round(a, 3) for a in p['alpha']]} | "
-              f"{p['draft_cost_ratio']:.3f} | x{p['expected_speedup']:.2f} | x{p['measured_speedup'] or math.nan:.2f}"
-              f" | {p['lossless']} |" for p in r["sweep"]]
-    lines += [f"\nHeadline (k={r['k']}, T={r['temperature']:g}): tau {r['tau']:.3f}, measured speedup "
-              f"x{r['measured_speedup'] or math.nan:.2f} over plain decoding in the runtime; lossless {r['lossless']}; "
-              f"runtime vs trainer validation loss {r['val_loss']} vs {r['trainer_val_loss']} (mismatch "
-              f"{r['val_mismatch']}).\n"]
-    problems = []
-    if r["lossless"] is False:
-        problems.append(f"speculative output differs from plain decoding at T=0: {r.get('lossless_detail')}")
-    if r["val_mismatch"]:
-        problems.append(f"the runtime's and the trainer's validation differ beyond {r['val_tolerance']}")
-    return "\n".join(lines), problems
-
-
 def check(work: Path, smoke: bool) -> int:
     import importlib.metadata as metadata
 
@@ -328,19 +304,30 @@ def check(work: Path, smoke: bool) -> int:
     backend = "flashinfer" if facts.is_file() and "flashinfer" in json.loads(facts.read_text())["ran"] else "torch"
     if not smoke and backend == "torch":  # never a silent fallback: a JIT build past its limit is a failure
         runner.fail("parity:random", "flashinfer did not run (missing, or its JIT build failed or ran too long)")
-    recipe, run = str(write_recipe(work, size, backend)), work / "run"
+    recipe, run = str(write_recipe(work, size.recipe, backend)), work / "run"
     md.append(f"### Pipeline on the random target ({backend} attention backend)\n")
     stages = {"precompute": [cli + ["precompute", recipe], cli + ["verify", str(run / "features")]],
-              "train": [cli + ["train", recipe]], "eval": [cli + ["eval", recipe]]}
+              "train": [cli + ["train", recipe, "eval.compare=[]"]],  # the mtp head alone, then the eagle3 head
+              "train:eagle3": [cli + ["train", recipe, "head.kind=eagle3"]],
+              "eval": [cli + ["eval", recipe]]}
     for name, commands in stages.items():
         ok, out = section(name, commands)
         try:
-            text, problems = summary(name, run, size, out.replace(str(work), ".")) if ok else ("", [])
+            text, problems = summary(name, run, size.recipe, out.replace(str(work), ".")) if ok else ("", [])
         except (OSError, KeyError, ValueError, IndexError, TypeError) as e:
             text, problems = "", [f"its outputs could not be read: {_why(e)}"]
         md.append(text)
         for why in problems:
             runner.fail(name, why)
+    md.append("### What a cluster runs besides\n")
+    gpus = 0 if smoke else torch.cuda.device_count()
+    for name, commands, skipped in extra_stages(work, Path(recipe), cli, smoke, gpus):
+        if skipped:
+            print(f"SKIP {name}: {skipped}", flush=True)
+            md.append(f"- {name}: skipped ({skipped}).")
+        else:
+            md.append(f"- {name}: {'PASS' if section(name, commands)[0] else 'FAIL'}.")
+    md.append("")
     md.append("### SmolLM2-135M-Instruct\n")
     if not smoke and (SMOLLM2 / "config.json").is_file():
         md.append(section("parity:smollm2")[1])

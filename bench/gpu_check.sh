@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # bench/gpu_check.py on the device tool's GPU machine, from a fresh checkout (no network there).
 #
-#   bash bench/gpu_check.sh fetch   here, with network: download the wheels that machine lacks into .whl/ (~16 MB,
+#   bash bench/gpu_check.sh fetch   here, with network: download the wheels that machine lacks into .whl/ (~18 MB,
 #                                   for its Python 3.12, x86-64) and git-ignore the folder
 #   bash bench/gpu_check.sh [ARGS]  there: install the wheels of the modules it lacks to /tmp/site, the project with
 #                                   `pip install -e . --no-deps`, then `python3 bench/gpu_check.py ARGS`
@@ -16,7 +16,10 @@ PY=${PYTHON:-python3}
 # The versions are those tested on CPU here; flashinfer 0.6.6 is the newest wheel that is small enough to carry.
 WHEELS="flashinfer=flashinfer_python==0.6.6 tvm_ffi=apache_tvm_ffi==0.1.15.post2 pydantic=pydantic==2.14.4
 pydantic_core=pydantic_core==2.50.5 annotated_types=annotated_types==0.8.0 typing_inspection=typing_inspection==0.4.5
-datasets=datasets==5.2.0 dill=dill==0.4.1 multiprocess=multiprocess==0.70.19"
+datasets=datasets==5.2.0 dill=dill==0.4.1 multiprocess=multiprocess==0.70.19 hjson=hjson==3.1.0
+cpuinfo=py_cpuinfo==9.0.0 msgpack=msgpack==1.2.4 einops=einops==0.8.2 ninja=ninja==1.13.2 psutil=psutil==7.2.2"
+# DeepSpeed (train:deepspeed) has no wheel on the index: `fetch` builds a pure-Python one (no ops compiled) here.
+DEEPSPEED=deepspeed==0.19.8
 
 if [ "${1:-}" = fetch ]; then
     specs=$(for pair in $WHEELS; do echo "${pair#*=}"; done)
@@ -24,6 +27,8 @@ if [ "${1:-}" = fetch ]; then
     $PY -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
         --platform manylinux2014_x86_64 -d .whl $specs || exit 1
+    DS_BUILD_OPS=0 "${BUILD_PY:-.venv/bin/python}" -m pip wheel -q --no-deps --no-build-isolation -w .whl "$DEEPSPEED" \
+        || exit 1  # its setup imports torch: the project venv has it
     exclude=$(git rev-parse --git-path info/exclude)
     mkdir -p "$(dirname "$exclude")"
     grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >>"$exclude"
@@ -32,7 +37,7 @@ if [ "${1:-}" = fetch ]; then
 fi
 
 missing=()
-for pair in $WHEELS; do
+for pair in $WHEELS deepspeed=$DEEPSPEED; do
     module=${pair%%=*} spec=${pair#*=}
     if ! $PY -c "import $module" 2>/dev/null; then
         wheel=$(ls .whl/"${spec%%==*}"-"${spec#*==}"-*.whl 2>/dev/null | head -1)

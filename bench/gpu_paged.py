@@ -1,0 +1,53 @@
+"""Log-probs read over cached pages, for bench/gpu_check.py's paged parity: a prefill, decode steps of one token per
+sequence, then one verify step of several tokens per sequence, each attending to the K/V already in the pages (as
+speculative decoding does). The same tokens through two attention backends give the same rows, so the rows compare
+position for position."""
+
+from __future__ import annotations
+
+import torch
+
+from mtp_train.runtime.engine import Engine
+from mtp_train.runtime.sampling import SamplingParams
+from mtp_train.runtime.sequence import Sequence
+
+
+def paged_logprobs(engine: Engine, prompts: list[list[int]], continuation: list[list[int]], decode_steps: int
+                   ) -> torch.Tensor:
+    """``decode_steps`` single-token decode steps over each prompt's cached pages, then one verify step with the
+    rest of its ``continuation``: the log-probs of every decoded and verified position, ``[B * len(c), V]`` fp32
+    (step by step, sequence by sequence). The prefill's own rows are left out: fresh prefills are compared apart."""
+    params = SamplingParams(max_new_tokens=len(continuation[0]), stop_token_ids=())
+    seqs = [Sequence(i, list(p), params, frozenset(), len(p)) for i, p in enumerate(prompts)]
+    rows = []
+
+    def step(new: list[list[int]]) -> torch.Tensor:
+        scheduled = list(zip(seqs, new, strict=True))
+        engine.reserve(scheduled)
+        with torch.no_grad():
+            _, hidden, _ = engine.forward(scheduled)
+            return engine.model.logits(hidden).float().log_softmax(-1)
+
+    step(prompts)
+    for t in range(decode_steps):
+        rows.append(step([[c[t]] for c in continuation]))
+    rows.append(step([c[decode_steps:] for c in continuation]))
+    for seq in seqs:
+        engine.release(seq)
+    return torch.cat(rows)
+
+
+def fresh_rows(engine: Engine, prompts: list[list[int]], continuation: list[list[int]], decode_steps: int
+               ) -> torch.Tensor:
+    """The rows ``paged_logprobs`` returns, in its order, from one fresh prefill of each whole sequence (prompt and
+    continuation): what the cached pages must reproduce."""
+    whole = [p + c for p, c in zip(prompts, continuation, strict=True)]
+    scored = engine.score(whole, layers=[-1])
+    with torch.no_grad():
+        logprobs = engine.model.logits(scored.hidden[:, -1].to(engine.device)).float().log_softmax(-1)
+    starts = [0]
+    for seq in whole:
+        starts.append(starts[-1] + len(seq))
+    index = [starts[b] + len(p) + t for t in range(decode_steps) for b, p in enumerate(prompts)]
+    index += [starts[b] + len(p) + t for b, p in enumerate(prompts) for t in range(decode_steps, len(continuation[b]))]
+    return logprobs[torch.tensor(index, device=logprobs.device)]
