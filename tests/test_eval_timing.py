@@ -187,7 +187,7 @@ def test_greedy_violations_fail_the_bf16_check(prompts, monkeypatch):
     # A broken acceptance rule (accept every draft) in a real bf16 run is caught.
     import mtp_train.runtime.speculative as spec_module
 
-    monkeypatch.setattr(spec_module, "accept_draft", lambda tokens, q, p, gen: (tokens.numel(), int(p[-1].argmax())))
+    monkeypatch.setattr(spec_module, "accept_greedy", lambda drafts, own, lens: (lens, own.gather(1, lens[:, None])[:, 0]))
     engine = Engine.from_pretrained(TINY_TARGET, dtype=torch.bfloat16, max_seqs=4)
     plain = engine.generate(prompts, GREEDY)
     draft = load_transformer(TINY_TARGET, dtype=torch.bfloat16)

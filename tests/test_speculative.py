@@ -148,7 +148,7 @@ def test_a_broken_acceptance_rule_is_counted_as_greedy_violations(prompts, monke
     """The check behind ``greedy_violations`` can fail: a rule that accepts every draft is caught."""
     import mtp_train.runtime.speculative as spec
 
-    monkeypatch.setattr(spec, "accept_draft", lambda tokens, q, p, gen: (tokens.numel(), int(p[-1].argmax())))
+    monkeypatch.setattr(spec, "accept_greedy", lambda drafts, own, lens: (lens, own.gather(1, lens[:, None])[:, 0]))
     engine = Engine.from_pretrained(TINY_TARGET, page_size=16, max_seqs=4)
     decoder = SpeculativeDecoder(engine, HeadDrafter(engine, _random_head(engine)), 3)
     decoder.generate(prompts[:4], GREEDY)

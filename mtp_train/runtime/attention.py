@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from mtp_train.models.transformer import AttentionPlan
 from mtp_train.runtime.batch import BatchMetadata
+from mtp_train.runtime.device import to_device
 
 
 class AttentionBackend(Protocol):
@@ -36,9 +37,9 @@ class _Group:
     """
 
     def __init__(self, meta: BatchMetadata, seqs: list[int], q_len: int, sliding_window: int | None,
-                 bounds: list[int]) -> None:
+                 bounds: list[int], host_kv_lens: list[int]) -> None:
         dev = meta.tokens.device
-        index = torch.tensor(seqs, device=dev)
+        index = to_device(torch.tensor(seqs), dev)
         kv_lens = meta.kv_lens.long()[index]
         self.q_len = q_len
         self.rows: torch.Tensor | slice
@@ -47,7 +48,7 @@ class _Group:
         else:
             starts = meta.qo_indptr.long()[index]
             self.rows = (starts[:, None] + torch.arange(q_len, device=dev)[None, :]).view(-1)
-        key_pos = torch.arange(int(kv_lens.max()), device=dev)
+        key_pos = torch.arange(max(host_kv_lens[b] for b in seqs), device=dev)
         first_page = meta.page_indptr.long()[index]
         page_slot = (first_page[:, None] + key_pos[None, :] // meta.page_size).clamp(
             max=max(0, meta.page_indices.numel() - 1))
@@ -75,18 +76,18 @@ class TorchStep:
     """
 
     def __init__(self, meta: BatchMetadata, sliding_window: int | None) -> None:
-        bounds = meta.qo_indptr.tolist()
+        bounds, kv_lens = meta.host_qo_indptr.tolist(), meta.host_kv_lens.tolist()  # (the host's copies)
         self.slot_mapping = meta.slot_mapping
         self.num_tokens = bounds[-1]
         self.fresh: list[tuple[int, int]] = []  # token ranges of fresh prefills
         by_len: dict[int, list[int]] = {}
-        for b, kv_len in enumerate(meta.kv_lens.tolist()):
+        for b, kv_len in enumerate(kv_lens):
             q_len = bounds[b + 1] - bounds[b]
             if sliding_window is None and q_len == kv_len:
                 self.fresh.append((bounds[b], bounds[b + 1]))
             else:
                 by_len.setdefault(q_len, []).append(b)
-        self.groups = [_Group(meta, seqs, q_len, sliding_window, bounds) for q_len, seqs in by_len.items()]
+        self.groups = [_Group(meta, seqs, q_len, sliding_window, bounds, kv_lens) for q_len, seqs in by_len.items()]
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor

@@ -1,10 +1,17 @@
-"""Per-step batch metadata as flat ragged tensors (indptr style), shared by every attention backend."""
+"""Per-step batch metadata as flat ragged tensors (indptr style), shared by every attention backend.
+
+The metadata is built on the host, where the page tables live, and reaches a GPU in one pinned, non-blocking copy
+per step; the host keeps its own copy of the small per-sequence arrays (``host_*``), so that planning a step never
+reads the device back.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from mtp_train.runtime.device import to_device
 
 
 @dataclass(frozen=True)
@@ -21,6 +28,9 @@ class BatchMetadata:
 
     A prefill has ``q_len == kv_len``; a decode has ``q_len == 1``; a speculative verify has
     ``q_len == k + 1``. One batch may mix them.
+
+    ``host_qo_indptr [B+1]``, ``host_kv_lens [B]``, ``host_page_indptr [B+1]``, ``host_last_page_len [B]`` are
+    the same arrays on the host (int32; pinned on CUDA), for planners that run there.
     """
 
     tokens: torch.Tensor
@@ -32,6 +42,10 @@ class BatchMetadata:
     last_page_len: torch.Tensor
     slot_mapping: torch.Tensor
     page_size: int
+    host_qo_indptr: torch.Tensor
+    host_kv_lens: torch.Tensor
+    host_page_indptr: torch.Tensor
+    host_last_page_len: torch.Tensor
 
     @property
     def num_seqs(self) -> int:
@@ -44,16 +58,18 @@ class BatchMetadata:
 
 
 def build_batch(
-    new_tokens: list[list[int]],
+    new_tokens: list[list[int]] | list[torch.Tensor],
     cached_lens: list[int],
     page_tables: list[list[int]],
     page_size: int,
     device: torch.device,
 ) -> BatchMetadata:
-    """Metadata for sequences that already hold ``cached_lens[b]`` tokens and append ``new_tokens[b]``.
+    """Metadata for sequences that already hold ``cached_lens[b]`` tokens and append ``new_tokens[b]``: lists of
+    ids on the host, or ``[n_b]`` int64 tensors already on ``device`` (a draft chain's own samples).
 
     ``page_tables[b]`` must already have room for all ``cached_lens[b] + len(new_tokens[b])`` tokens.
     """
+    on_device = bool(new_tokens) and isinstance(new_tokens[0], torch.Tensor)
     q_lens = torch.tensor([len(t) for t in new_tokens], dtype=torch.int64)
     cached = torch.tensor(cached_lens, dtype=torch.int64)
     kv_lens = cached + q_lens
@@ -64,23 +80,37 @@ def build_batch(
     page_indptr[1:] = torch.cumsum(num_pages, 0)
     page_indices = torch.tensor([p for pages in page_tables for p in pages], dtype=torch.int64)
 
-    seq_of_token = torch.repeat_interleave(torch.arange(len(new_tokens)), q_lens)
-    positions = torch.arange(int(qo_indptr[-1])) - qo_indptr[seq_of_token] + cached[seq_of_token]
+    num_tokens = int(qo_indptr[-1])
+    seq_of_token = torch.repeat_interleave(torch.arange(len(new_tokens)), q_lens, output_size=num_tokens)
+    positions = torch.arange(num_tokens) - qo_indptr[seq_of_token] + cached[seq_of_token]
     page_of_token = page_indices[page_indptr[seq_of_token] + positions // page_size]
     slot_mapping = page_of_token * page_size + positions % page_size
     last_page_len = (kv_lens - 1) % page_size + 1
-
-    def to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return x.to(device=device, dtype=dtype)
-
+    tokens = torch.cat(new_tokens) if on_device else torch.tensor([t for seq in new_tokens for t in seq],
+                                                                    dtype=torch.int64)
+    host = {"positions": positions, "qo_indptr": qo_indptr, "kv_lens": kv_lens, "page_indptr": page_indptr,
+            "page_indices": page_indices, "last_page_len": last_page_len, "slot_mapping": slot_mapping}
+    if not on_device:
+        host["tokens"] = tokens
+    moved = _to_device(host, device)
+    small = {name: _pinned(host[name].to(torch.int32), device)
+             for name in ("qo_indptr", "kv_lens", "page_indptr", "last_page_len")}
+    int32 = {"qo_indptr", "kv_lens", "page_indptr", "page_indices", "last_page_len"}
+    fields = {name: t.to(torch.int32) if name in int32 else t for name, t in moved.items()}
     return BatchMetadata(
-        tokens=to(torch.tensor([t for seq in new_tokens for t in seq], dtype=torch.int64), torch.int64),
-        positions=to(positions, torch.int64),
-        qo_indptr=to(qo_indptr, torch.int32),
-        kv_lens=to(kv_lens, torch.int32),
-        page_indptr=to(page_indptr, torch.int32),
-        page_indices=to(page_indices, torch.int32),
-        last_page_len=to(last_page_len, torch.int32),
-        slot_mapping=to(slot_mapping, torch.int64),
-        page_size=page_size,
+        tokens=fields.pop("tokens", tokens), **fields, page_size=page_size,
+        **{f"host_{name}": t for name, t in small.items()},
     )
+
+
+def _pinned(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` in pinned memory when ``device`` is a GPU (so that copies from it need not wait), else itself."""
+    return host.pin_memory() if device.type == "cuda" else host
+
+
+def _to_device(host: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """The 1-D int64 host tensors ``host`` on ``device``: on a GPU packed into one pinned buffer and copied at once."""
+    if device.type != "cuda":
+        return {name: t.to(device) for name, t in host.items()}
+    packed = to_device(torch.cat(list(host.values())), device)
+    return dict(zip(host, packed.split([t.numel() for t in host.values()])))

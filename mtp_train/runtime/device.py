@@ -25,3 +25,11 @@ def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work, so that a wall-clock reading around it measures that work (no-op on CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor on ``device``: on CUDA pinned and copied without making the host wait (a copy from pageable
+    memory would), on the CPU itself."""
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)

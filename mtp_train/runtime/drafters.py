@@ -27,6 +27,7 @@ from mtp_train.models.parts import Linear
 from mtp_train.models.transformer import Transformer
 from mtp_train.runtime.attention import select_backend
 from mtp_train.runtime.batch import build_batch
+from mtp_train.runtime.device import to_device
 from mtp_train.runtime.engine import Engine
 from mtp_train.runtime.kv_cache import KVPool, PageAllocator
 from mtp_train.runtime.sequence import Sequence
@@ -35,11 +36,12 @@ from mtp_train.runtime.small_batch import tune
 
 @dataclass
 class Feed:
-    """One sequence's draft forward: ``tokens`` at positions ``start..``; ``hidden [len, H]`` for a head."""
+    """One sequence's draft forward: ``tokens`` at positions ``start..`` (ids on the host, or ``[len]`` int64 on
+    the device: a draft chain's own samples); ``hidden [len, H]`` for a head."""
 
     seq: Sequence
     start: int
-    tokens: list[int]
+    tokens: list[int] | torch.Tensor
     hidden: torch.Tensor | None = None
 
 
@@ -81,8 +83,8 @@ class Drafter:
         positions ``target_start..`` (their ``features``, ``target_hidden [m, H]``) and the sequence has grown."""
         raise NotImplementedError
 
-    def chain_input(self, seq: Sequence, token: int) -> Feed:
-        """The next chain forward after drafting ``token``."""
+    def chain_input(self, seq: Sequence, token: torch.Tensor) -> Feed:
+        """The next chain forward after drafting ``token [1]`` int64 (on the device)."""
         raise NotImplementedError
 
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor | None, plan) -> torch.Tensor:
@@ -120,8 +122,8 @@ class TokenDrafter(Drafter):
     def feed(self, seq: Sequence, draft_valid: int, target_start: int, target_hidden: torch.Tensor) -> Feed:
         return Feed(seq, draft_valid, seq.tokens[draft_valid:])
 
-    def chain_input(self, seq: Sequence, token: int) -> Feed:
-        return Feed(seq, 0, [token])
+    def chain_input(self, seq: Sequence, token: torch.Tensor) -> Feed:
+        return Feed(seq, 0, token)
 
 
 class DraftModelDrafter(TokenDrafter):
@@ -196,8 +198,8 @@ class HeadDrafter(Drafter):
         m = target_hidden.shape[0]  # position i reads h_i and t_{i+1}
         return Feed(seq, target_start, seq.tokens[target_start + 1 : target_start + 1 + m], target_hidden)
 
-    def chain_input(self, seq: Sequence, token: int) -> Feed:
-        return Feed(seq, 0, [token], self.carried[seq.request_id][1][None])
+    def chain_input(self, seq: Sequence, token: torch.Tensor) -> Feed:
+        return Feed(seq, 0, token, self.carried[seq.request_id][1][None])
 
     def run(self, tokens, positions, hidden, plan):
         return self.head.run(self.target.tok_embeddings(tokens), hidden, positions, plan, self.kv.layers)
@@ -243,8 +245,11 @@ class BigramDrafter(TokenDrafter):
     def forward(self, feeds: list[Feed]) -> None:
         if not self.leader:
             return
-        vocab = self.engine.cfg.vocab_size
-        for f in feeds:
-            logits = torch.full((vocab,), float("-inf"), device=self.engine.device)
-            logits[self.successor[f.tokens[-1]]] = 0.0
-            self.carried[f.seq.request_id] = (logits, logits)
+        if not feeds:
+            return
+        device, last = self.engine.device, [f.tokens[-1:] for f in feeds]
+        ids = torch.cat(last) if isinstance(last[0], torch.Tensor) else to_device(torch.tensor(last).view(-1), device)
+        logits = torch.full((len(feeds), self.engine.cfg.vocab_size), float("-inf"), device=device)
+        logits.scatter_(1, self.successor[ids][:, None], 0.0)
+        for i, f in enumerate(feeds):
+            self.carried[f.seq.request_id] = (logits[i], logits[i])

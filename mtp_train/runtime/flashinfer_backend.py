@@ -1,7 +1,8 @@
 """FlashInfer attention on CUDA: paged prefill/append wrapper (plan once per step, run per layer).
 
 Imported only when the flashinfer backend is selected. Every batch kind (prefill, decode,
-verify) is a causal "append" over paged KV, so one wrapper serves them all. Index arrays are int32.
+verify) is a causal "append" over paged KV, so one wrapper serves them all. Index arrays are int32; the plan takes
+the per-sequence arrays from the host (``BatchMetadata.host_*``) and the page indices from the device.
 """
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ class FlashInferStep:
 
         self._flashinfer = flashinfer
         self.meta = meta
+        # The indptr arrays from the host (pinned): ``plan`` reads them there, and copying them back from the
+        # device would make the host wait for the queue in every step.
         backend.wrapper.plan(
-            meta.qo_indptr,
-            meta.page_indptr,
+            meta.host_qo_indptr,
+            meta.host_page_indptr,
             meta.page_indices,
-            meta.last_page_len,
+            meta.host_last_page_len,
             num_heads,
             num_kv_heads,
             head_dim,

@@ -14,24 +14,30 @@ holds between steps is in :mod:`mtp_train.runtime.drafters`.
 
 Under tensor parallelism the draft and the acceptance run on the leader rank; the other ranks receive the drafts and
 the decisions by broadcast and keep identical page bookkeeping.
+
+On a GPU the step waits for the device once: drafts, distributions and decisions stay there, the host's random
+draws and metadata go there in pinned copies, and one read brings back each sequence's drafts, decision and the
+target's own argmax (``docs/runtime.md``, the sync budget). The timings use device events, read once per run.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from mtp_train.errors import UserError
-from mtp_train.runtime.acceptance import accept_draft
-from mtp_train.runtime.device import synchronize
+from mtp_train.runtime.acceptance import accept_batch, accept_greedy
+from mtp_train.runtime.clock import RegionClock
+from mtp_train.runtime.device import to_device
 from mtp_train.runtime.drafters import Drafter, Feed
 from mtp_train.runtime.engine import Engine, GenerationResult
-from mtp_train.runtime.sampling import SamplingParams, target_distribution
+from mtp_train.runtime.sampling import SamplingParams, draw, target_distributions, uniforms
 from mtp_train.runtime.scheduler import Scheduler
 from mtp_train.runtime.sequence import Sequence, Status
+
+Batch = list[tuple[Sequence, int]]  # the running sequences of a speculative step, each with its number of drafts
 
 
 @dataclass
@@ -76,24 +82,28 @@ class SpeculativeDecoder:
         for seq in seqs:  # room for one sequence alone, with a step of drafts, guarantees progress
             if len(seq.tokens) + seq.params.max_new_tokens + self.k + 1 + page > self.engine.allocator.num_pages * page:
                 raise UserError(f"request {seq.request_id}: too long for the KV cache with a draft; raise the KV budget")
+        clock = RegionClock(self.engine.device)
         while not scheduler.done:
             admit = scheduler.waiting and len(scheduler.running) < scheduler.max_seqs
             if admit or any(len(s.pending) != 1 for s in scheduler.running):
-                self._plain_step(scheduler)
+                self._plain_step(scheduler, clock)
             else:
-                synchronize(self.engine.device)
-                t0 = time.perf_counter()
-                if self._spec_step(scheduler):
-                    synchronize(self.engine.device)
-                    self.timings.step_s += time.perf_counter() - t0
+                clock.start("step")
+                if self._spec_step(scheduler, clock):
+                    clock.stop("step")
                     self.timings.steps += 1
+                else:
+                    clock.cancel("step")
             if on_step is not None:
                 on_step(seqs)
+        seconds = clock.settle()
+        self.timings.step_s += seconds.get("step", 0.0)
+        self.timings.draft_s += seconds.get("draft", 0.0)
         return [GenerationResult(seq.output, seq.stats) for seq in seqs]
 
     # -- prefill and mixed steps -------------------------------------------------------------------------
 
-    def _plain_step(self, scheduler: Scheduler) -> None:
+    def _plain_step(self, scheduler: Scheduler, clock: RegionClock) -> None:
         scheduled, hidden, captured = self.engine.step(scheduler, self.drafter.capture)
         states = self.drafter.features(hidden, captured)
         feeds, offset = [], 0
@@ -102,13 +112,12 @@ class SpeculativeDecoder:
             offset += len(new)
             if seq.status is Status.RUNNING:  # (no draft reservation is outstanding in a plain step)
                 feeds.append(self.drafter.feed(seq, seq.draft_pages.num_tokens, seq.cached - len(new), rows))
-        self._sync(scheduler, feeds, timed=False)
+        self._sync(scheduler, feeds, clock, timed=False)
 
-    def _sync(self, scheduler: Scheduler, feeds: list[Feed], timed: bool = True) -> None:
+    def _sync(self, scheduler: Scheduler, feeds: list[Feed], clock: RegionClock, timed: bool = True) -> None:
         """Truncate each draft to its feed's start, reserve its pages (preempting when short), forward."""
         if timed:
-            synchronize(self.engine.device)
-        t0 = time.perf_counter()
+            clock.start("draft")
         alloc = self.drafter.allocator
         for f in feeds:
             alloc.truncate(f.seq.draft_pages, f.start)
@@ -119,8 +128,7 @@ class SpeculativeDecoder:
                 alloc.reserve(f.seq.draft_pages, len(f.tokens))
         self.drafter.forward([f for f in feeds if f.seq.status is Status.RUNNING])
         if timed:
-            synchronize(self.engine.device)
-            self.timings.draft_s += time.perf_counter() - t0
+            clock.stop("draft")
             self.timings.draft_forwards += 1
 
     # -- speculative decode steps ------------------------------------------------------------------------
@@ -131,7 +139,7 @@ class SpeculativeDecoder:
         so that a batch drafts one k and acceptance is counted alike (``stats.accepted``, ``stats.drafted``)."""
         return max(0, min(self.k, self.engine.cfg.max_positions - len(seq.tokens) - 1))
 
-    def _reserve(self, scheduler: Scheduler) -> list[tuple[Sequence, int]]:
+    def _reserve(self, scheduler: Scheduler) -> Batch:
         """Pages for k+1 target and draft positions per running sequence; preempts from the back when short."""
         alloc, draft_alloc, batch = self.engine.allocator, self.drafter.allocator, []
         for seq in list(scheduler.running):
@@ -145,66 +153,93 @@ class SpeculativeDecoder:
                 batch.append((seq, k))
         return [(seq, k) for seq, k in batch if seq.status is Status.RUNNING]
 
-    def _propose(self, batch: list[tuple[Sequence, int]]) -> tuple[list[list[int]], list[torch.Tensor]]:
-        """Leader: each sequence's draft tokens and the distributions ``[k, V]`` they were drawn from."""
-        synchronize(self.engine.device)
-        t0 = time.perf_counter()
-        drafter = self.drafter
-        tokens: list[list[int]] = [[] for _ in batch]
-        probs: list[list[torch.Tensor]] = [[] for _ in batch]
-        for j in range(max((k for _, k in batch), default=0)):
+    def _propose(self, batch: Batch, k: int, u: torch.Tensor | None, clock: RegionClock
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Leader: the drafts ``[B, k]`` int64 on the device (row b's first k_b are its own) and, unless every
+        request is greedy, the distributions ``[B, k, V]`` they were drawn from (at ``u[:, j]``, ``[B, 2k+1]``)."""
+        clock.start("draft")
+        drafter, seqs = self.drafter, [seq for seq, _ in batch]
+        params = [seq.params for seq in seqs]
+        tokens: list[torch.Tensor] = []
+        probs: list[torch.Tensor] = []
+        for j in range(k):
+            logits = torch.stack([drafter.carried[seq.request_id][0] for seq in seqs])  # [B, V]
+            if u is None:
+                token = logits.argmax(-1)
+            else:
+                probs.append(target_distributions(logits, params))
+                token = draw(probs[-1], u[:, j])
+            tokens.append(token)
             feeds = []
-            for b, (seq, k) in enumerate(batch):
-                if j >= k:
-                    continue
-                q = target_distribution(drafter.carried[seq.request_id][0][None], seq.params)[0]
-                # (the request's generator lives on the CPU, as in plain sampling: draw there)
-                token = int(q.argmax()) if seq.params.greedy else int(torch.multinomial(q.cpu(), 1, generator=seq.generator))
-                tokens[b].append(token)
-                probs[b].append(q)
-                if j + 1 < k:  # the chain's next forward, at the position after this draft's last
-                    feed = drafter.chain_input(seq, token)
+            for b, (seq, k_b) in enumerate(batch):
+                if j + 1 < k_b:  # the chain's next forward, at the position after this draft's last
+                    feed = drafter.chain_input(seq, token[b : b + 1])
                     feed.start = drafter.valid(seq) + j
                     feeds.append(feed)
             drafter.forward(feeds)
             self.timings.draft_forwards += bool(feeds)
-        synchronize(self.engine.device)
-        self.timings.draft_s += time.perf_counter() - t0
-        return tokens, [torch.stack(p) if p else torch.zeros(0) for p in probs]
+        clock.stop("draft")
+        device = self.engine.device
+        drafts = torch.stack(tokens, 1) if tokens else torch.zeros((len(batch), 0), dtype=torch.int64, device=device)
+        return drafts, (torch.stack(probs, 1) if probs else None)
 
-    def _spec_step(self, scheduler: Scheduler) -> bool:
+    def _verify_logits(self, logits: torch.Tensor, bounds: list[int], batch: Batch, k: int) -> torch.Tensor:
+        """The verify forward's ``logits [T, V]`` -> ``[B, k + 1, V]``: row b's positions 0..k_b, then its last
+        one repeated (padding that the acceptance never reads)."""
+        if all(k_b == k for _, k_b in batch):
+            return logits.view(len(batch), k + 1, -1)
+        index = torch.tensor([[bounds[b] + min(j, k_b) for j in range(k + 1)] for b, (_, k_b) in enumerate(batch)])
+        return logits[to_device(index, logits.device)]
+
+    def _decide(self, batch: Batch, k: int, drafts: torch.Tensor, qs: torch.Tensor | None, logits: torch.Tensor,
+                u: torch.Tensor | None) -> torch.Tensor:
+        """Leader: ``[B, 2k + 3]`` int64 on the device: accepted drafts, the next token, the drafts ``[k]`` and the
+        target's argmax at each verified position ``[k + 1]``."""
+        lens = to_device(torch.tensor([k_b for _, k_b in batch]), logits.device)
+        own = logits.argmax(-1)  # [B, k + 1]
+        if u is None:
+            accepted, token = accept_greedy(drafts, own, lens)
+        else:
+            params = [seq.params for seq, _ in batch for _ in range(k + 1)]
+            p = target_distributions(logits.flatten(0, 1), params).view(logits.shape)
+            accepted, token = accept_batch(drafts, qs, p, lens, u[:, k : 2 * k], u[:, 2 * k])
+        return torch.cat([accepted[:, None], token[:, None], drafts, own], 1)
+
+    def _spec_step(self, scheduler: Scheduler, clock: RegionClock) -> bool:
         """One draft-and-verify step over the running sequences; ``False`` when preemption left none to run."""
         engine, tp = self.engine, self.engine.tp
         batch = self._reserve(scheduler)
         if not batch:
             return False
-        drafts, qs = self._propose(batch) if self.drafter.leader else ([[] for _ in batch], [])
-        if tp.size > 1:
-            packed = torch.full((len(batch), self.k), -1, dtype=torch.int64)
-            for b, d in enumerate(drafts):
-                packed[b, : len(d)] = torch.tensor(d, dtype=torch.int64)
-            packed = tp.broadcast(packed.to(engine.device)).cpu()
-            drafts = [[int(x) for x in row[:k]] for row, (_, k) in zip(packed, batch)]
-        scheduled = [(seq, [seq.tokens[-1]] + d) for (seq, _), d in zip(batch, drafts)]
-        meta, hidden, captured = engine.forward(scheduled, self.drafter.capture)
-        logits = engine.model.logits(hidden)
-        states = self.drafter.features(hidden, captured)
-        decisions = torch.zeros(len(batch), 2, dtype=torch.int64)
+        k = max(k_b for _, k_b in batch)
+        greedy = all(seq.params.greedy for seq, _ in batch)
+        u = None if greedy else to_device(uniforms([seq.generator for seq, _ in batch], 2 * k + 1), engine.device)
         if self.drafter.leader:
-            for b, (seq, _) in enumerate(batch):
-                rows = logits[int(meta.qo_indptr[b]) : int(meta.qo_indptr[b + 1])]
-                p = target_distribution(rows, seq.params)
-                a, token = accept_draft(torch.tensor(drafts[b], dtype=torch.int64), qs[b], p, seq.generator)
-                decisions[b] = torch.tensor([a, token])
-                if seq.params.greedy:
-                    own = rows[: a + 1].argmax(-1).tolist()
-                    self.greedy_violations += sum(x != y for x, y in zip(drafts[b][:a] + [token], own))
-        decisions = tp.broadcast(decisions.to(engine.device)).cpu().tolist()
+            drafts, qs = self._propose(batch, k, u, clock)
+        else:
+            drafts, qs = torch.zeros((len(batch), k), dtype=torch.int64, device=engine.device), None
+        drafts = tp.broadcast(drafts)
+        last = to_device(torch.tensor([seq.tokens[-1] for seq, _ in batch]), engine.device)
+        verify = torch.cat([last[:, None], drafts], 1)  # [B, k + 1]
+        scheduled = [(seq, verify[b, : k_b + 1]) for b, (seq, k_b) in enumerate(batch)]
+        meta, hidden, captured = engine.forward(scheduled, self.drafter.capture)
+        states = self.drafter.features(hidden, captured)
+        bounds = meta.host_qo_indptr.tolist()
+        if self.drafter.leader:
+            logits = self._verify_logits(engine.model.logits(hidden), bounds, batch, k)
+            decisions = self._decide(batch, k, drafts, qs, logits, u)
+        else:
+            decisions = torch.zeros((len(batch), 2 * k + 3), dtype=torch.int64, device=engine.device)
+        rows = tp.broadcast(decisions).tolist()  # the step's one wait for the device
         feeds = []
-        for b, ((seq, _), (a, token)) in enumerate(zip(batch, decisions)):
+        for b, ((seq, k_b), row) in enumerate(zip(batch, rows)):
+            a, token, drafted = row[0], row[1], row[2 : 2 + k_b]
+            if seq.params.greedy:
+                own = row[2 + k : 3 + k + a]
+                self.greedy_violations += sum(x != y for x, y in zip(drafted[:a] + [token], own))
             n = len(seq.tokens)
             emitted = 0
-            for t in drafts[b][:a] + [token]:
+            for t in drafted[:a] + [token]:
                 seq.append(t, engine.cfg.max_positions)
                 emitted += 1
                 if seq.status is Status.FINISHED:
@@ -212,12 +247,12 @@ class SpeculativeDecoder:
             seq.stats.forward_steps += 1
             seq.stats.accepted.append(a)
             seq.stats.emitted.append(emitted)
-            seq.stats.drafted.append(len(drafts[b]))
+            seq.stats.drafted.append(k_b)
             if seq.status is Status.FINISHED:
                 scheduler.retire(seq)
                 continue
             engine.allocator.truncate(seq.pages, n + a)  # target K/V: positions 0..n+a-1 are verified
-            start = int(meta.qo_indptr[b])
+            start = bounds[b]
             feeds.append(self.drafter.feed(seq, self.drafter.valid(seq) - a - 1, n - 1, states[start : start + a + 1]))
-        self._sync(scheduler, feeds)
+        self._sync(scheduler, feeds, clock)
         return True
