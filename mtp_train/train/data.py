@@ -112,9 +112,9 @@ def plan_batches(refs: SequenceTable, batch_tokens: int, seed: int, epoch: int, 
         gen = torch.Generator().manual_seed(((seed * 1000 + epoch) * 7919 + 1) * 100_003 + w)
         idx = idx[torch.randperm(len(idx), generator=gen).numpy()]
         ends = _greedy_cuts(lengths[idx], batch_tokens)
-        readahead = tuple(dict.fromkeys(windows[w] + later))
-        for a, b in zip(np.concatenate([[0], ends[:-1]]), ends):
-            ahead[_key(refs, idx[a], idx[b - 1], b - a)] = readahead
+        starts = np.concatenate([[0], ends[:-1]])
+        ahead.update(dict.fromkeys(_keys(refs, idx[starts], idx[ends - 1], ends - starts),
+                                   tuple(dict.fromkeys(windows[w] + later))))
         cuts.append(ends + cuts[-1][-1])
         orders.append(idx)
     plan = BatchPlan(np.concatenate([np.zeros(0, np.int64)] + orders), np.concatenate(cuts))
@@ -137,9 +137,12 @@ def _greedy_cuts(lengths: np.ndarray, budget: int) -> np.ndarray:
     """``[B]`` int64 end offsets of the groups ``mtp_train.io.group_by_tokens`` cuts ``lengths [n]`` into: each
     group the longest run of at most ``budget`` tokens, or a single longer item."""
     total = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+    # where a group starting at each item would end (one search for all), then the chain of groups from item 0
+    nxt = np.maximum(np.searchsorted(total, total[:-1] + budget, side="right") - 1,
+                     np.arange(1, len(lengths) + 1)).tolist()
     ends, i = [], 0
-    while i < len(lengths):
-        i = max(int(np.searchsorted(total, total[i] + budget, side="right")) - 1, i + 1)
+    while i < len(nxt):
+        i = nxt[i]
         ends.append(i)
     return np.asarray(ends, np.int64)
 
@@ -152,13 +155,16 @@ def _every_nth(plan: BatchPlan, rank: int, world: int) -> BatchPlan:
     return BatchPlan(np.concatenate([np.zeros(0, np.int64)] + parts), np.concatenate([[0], np.cumsum(sizes)]))
 
 
-def _key(refs: SequenceTable, first: int, last: int, n: int) -> tuple[str, int, str, int, int]:
-    """What names a batch in ``_readahead``: its first and last sequences (shard file, first token) and its size."""
-    return (refs.names[refs.shard[first]], int(refs.start[first]), refs.names[refs.shard[last]],
-            int(refs.start[last]), int(n))
+def _keys(refs: SequenceTable, first: np.ndarray, last: np.ndarray, n: np.ndarray) -> list[tuple]:
+    """What names each batch in ``_readahead``: its first and last sequences (shard file, first token) and its
+    size, for batches given as ``first``, ``last`` (indices into ``refs``) and ``n``, each ``[B]``."""
+    names = refs.names
+    return [(names[a], b, names[c], d, e) for a, b, c, d, e in
+            zip(refs.shard[first].tolist(), refs.start[first].tolist(), refs.shard[last].tolist(),
+                refs.start[last].tolist(), n.tolist())]
 
 
-# The latest plan's batches (``_key``): the shard files of the batch's window and of the window this rank visits next.
+# The latest plan's batches (``_keys``): the shard files of the batch's window and of the window this rank visits next.
 _readahead: dict[tuple[str, int, str, int, int], tuple[str, ...]] = {}
 
 
