@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mtp_train.runtime.acceptance import accept_draft
+from mtp_train.runtime.acceptance import accept_batch, accept_draft, accept_greedy
 from mtp_train.runtime.sampling import SamplingParams, target_distribution
 
 V = 5
@@ -62,6 +62,15 @@ def accept_residual_from_target(draft_tokens, draft_probs, target_probs, generat
     return k, int(torch.multinomial(target_probs[k], 1, generator=generator))
 
 
+def accept_batched(draft_tokens, draft_probs, target_probs, generator=None):
+    """The runtime's batched rule (``accept_batch``) for one sequence, its k + 1 uniforms drawn from ``generator``."""
+    k = draft_tokens.numel()
+    u = torch.rand(k + 1, generator=generator, dtype=torch.float64)
+    n, token = accept_batch(draft_tokens[None], draft_probs[None], target_probs[None], torch.tensor([k]), u[None, :k],
+                            u[k:])
+    return int(n[0]), int(token[0])
+
+
 def sample(q: torch.Tensor, gen: torch.Generator) -> int:
     """One token from ``q`` by inverting its CDF with a uniform from ``gen`` (cheaper than ``multinomial``)."""
     u = float(torch.rand((), generator=gen, dtype=torch.float64))
@@ -103,11 +112,11 @@ def first_token_counts(k: int, draft: str, rule=accept_draft, trials: int = TRIA
     return counts
 
 
-def pair_counts(k: int, draft: str, trials: int = TRIALS) -> torch.Tensor:
+def pair_counts(k: int, draft: str, trials: int = TRIALS, rule=accept_draft) -> torch.Tensor:
     q0, s = DRAFTS[draft]
     counts = torch.zeros(V * V, dtype=torch.float64)
     for seed in range(trials):
-        a, b = speculative_decode(2, k, q0, s, 10**6 + seed)
+        a, b = speculative_decode(2, k, q0, s, 10**6 + seed, rule)
         counts[a * V + b] += 1
     return counts
 
@@ -123,12 +132,13 @@ def test_the_toy_drafts_are_what_they_claim():
         assert torch.allclose(s.sum(-1), torch.ones(V, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("rule", [accept_draft, accept_batched], ids=["reference", "batched"])
 @pytest.mark.parametrize("draft", ["bad", "good"])
 @pytest.mark.parametrize("k", [1, 2])
-def test_first_two_tokens_follow_the_target(k, draft):
+def test_first_two_tokens_follow_the_target(k, draft, rule):
     # k = 1: token 2 is the bonus token whenever token 1 was an accepted draft. k = 2: both can be drafts.
     joint = (P0[:, None] * T).reshape(-1)  # P(x1) P(x2 | x1)
-    counts = pair_counts(k, draft)
+    counts = pair_counts(k, draft, rule=rule)
     stat = chi_square(counts, joint)
     assert stat < CHI2_CRITICAL_P001[V * V - 1], f"{draft} draft, k={k}: chi2 {stat:.1f}"
     # The first emitted token alone (the accepted draft token or the residual sample) follows the target.
@@ -202,3 +212,21 @@ def test_greedy_target_with_a_sampled_draft_is_still_argmax_equality():
         gen = torch.Generator().manual_seed(seed)
         assert accept_draft(torch.tensor(drafts), soft, greedy_target([A, B, D, E]), gen) == (2, D)
         assert accept_draft(torch.tensor(drafts), soft, greedy_target([A, B, C, E]), gen) == (3, E)
+
+
+def test_the_batched_rules_decide_greedy_steps_as_the_reference_does():
+    """Rows of different draft counts in one batch: ``accept_batch`` (any uniforms) and ``accept_greedy`` give
+    the reference's decision for each row."""
+    cases = [([A, B, C], [A, B, D, E]), ([A, B, C], [A, B, C, E]), ([A, B, C], [D, B, C, E]), ([C], [E, A]),
+             ([B, B], [B, B, A])]
+    k = 3
+    drafts = torch.tensor([d + [0] * (k - len(d)) for d, _ in cases])
+    lens = torch.tensor([len(d) for d, _ in cases])
+    draft_probs = torch.stack([one_hot(d + [0] * (k - len(d))) for d, _ in cases])
+    targets = torch.stack([greedy_target(t + [t[-1]] * (k + 1 - len(t))) for _, t in cases])
+    expected = [accept_draft(torch.tensor(d), one_hot(d), greedy_target(t)) for d, t in cases]
+    u = torch.rand(len(cases), k + 1, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    n, token = accept_batch(drafts, draft_probs, targets, lens, u[:, :k], u[:, k])
+    assert list(zip(n.tolist(), token.tolist())) == expected
+    n, token = accept_greedy(drafts, targets.argmax(-1), lens)
+    assert list(zip(n.tolist(), token.tolist())) == expected
