@@ -82,11 +82,11 @@ def write_task(root: Path, task: int, tasks: int, conversations: int, lengths: n
 def rank_child(root: Path, rank: int, world: int) -> None:
     """One training rank's data start-up, timed from this process's start; prints one JSON line."""
     from mtp_train.features.reader import FeatureReader
-    from mtp_train.train.data import plan_batches
+    from mtp_train.train.data import plan_batches, plan_rank
 
     reader = FeatureReader(root)
     per_epoch = len(plan_batches(reader.train, BATCH_TOKENS, 0, 0)) // world  # as Trainer.setup sizes the epoch
-    plan = plan_batches(reader.train, BATCH_TOKENS, 0, 0, rank, world)
+    plan, = plan_rank(reader.train, BATCH_TOKENS, 0, 0, rank, world, 1)
     shards = np.unique(reader.train.shard[plan.order])
     print(json.dumps({"rank": rank, "startup_s": time.perf_counter() - _STARTED, "batches": len(plan),
                       "per_epoch": per_epoch, "shards_read": len(shards), "sequences": len(reader.sequences),

@@ -144,7 +144,7 @@ def test_each_training_rank_reads_only_the_shard_windows_assigned_to_it(features
     for rank in (0, 1):
         asked: list[str] = []
         monkeypatch.setattr("mtp_train.features.reader._read_whole", lambda f: asked.append(os.path.basename(f.path)))
-        plan = data.plan_batches(refs, 300, 3, 0, rank=rank, world=2)
+        plan = data.plan_batches(refs, 300, 3, 0, lane=rank, lanes=2)
         mine = {s for w in windows[rank::2] for s in w}
         r = FeatureReader(features)
         for ids in plan:
@@ -169,3 +169,19 @@ def test_an_index_that_does_not_match_its_manifest_is_one_line(features, tmp_pat
     (copy / index_name(1)).unlink()
     with pytest.raises(UserError, match=f"{copy / index_name(1)}: missing .*rerun precompute"):
         FeatureReader(copy)
+
+
+def test_a_step_trains_on_the_same_lanes_whatever_the_split_into_ranks_and_micro_batches(features, monkeypatch):
+    """One process with 2 micro-batches per step plans exactly the lanes of two processes with one each; the
+    micro-batches of one step read ahead the same files."""
+    from mtp_train.train import data
+    from mtp_train.features.reader import FeatureReader
+
+    monkeypatch.setattr(data, "SHARD_WINDOW", 1)
+    refs = FeatureReader(features).train
+    two = [data.plan_rank(refs, 300, 3, 0, rank, 2, 1)[0] for rank in (0, 1)]
+    one = data.plan_rank(refs, 300, 3, 0, 0, 1, 2)
+    assert one == two
+    for step in range(min(map(len, one))):
+        named = {data._readahead[p.keys[step]] for p in one}
+        assert len(named) == 1 and {s for p in one for s in p.ahead[step]} == set(next(iter(named)))

@@ -65,11 +65,13 @@ def plan_windows(refs: SequenceTable, seed: int, epoch: int) -> list[list[str]]:
 
 
 class BatchPlan:
-    """One rank's batches of one epoch: batch ``b`` is ``order[bounds[b]:bounds[b + 1]]``, indices into the
-    planned sequences (``order [n]`` int64, ``bounds [B+1]`` int64); ``plan[b]`` is that list of ints."""
+    """One lane's batches of one epoch: batch ``b`` is ``order[bounds[b]:bounds[b + 1]]``, indices into the
+    planned sequences (``order [n]`` int64, ``bounds [B+1]`` int64); ``plan[b]`` is that list of ints. ``keys[b]``
+    names batch ``b`` for ``read_ahead`` and ``ahead[b]`` lists the shard files to read ahead of it."""
 
-    def __init__(self, order: np.ndarray, bounds: np.ndarray) -> None:
-        self.order, self.bounds = order, bounds
+    def __init__(self, order: np.ndarray, bounds: np.ndarray, keys: list[tuple], ahead: list[tuple[str, ...]]
+                 ) -> None:
+        self.order, self.bounds, self.keys, self.ahead = order, bounds, keys, ahead
 
     def __len__(self) -> int:
         return len(self.bounds) - 1
@@ -88,41 +90,60 @@ class BatchPlan:
                 and np.array_equal(self.bounds, other.bounds))
 
 
-def plan_batches(refs: SequenceTable, batch_tokens: int, seed: int, epoch: int, rank: int = 0, world: int = 1
+def plan_batches(refs: SequenceTable, batch_tokens: int, seed: int, epoch: int, lane: int = 0, lanes: int = 1
                  ) -> BatchPlan:
-    """Rank ``rank`` of ``world``'s batches of one epoch, as indices into ``refs``: window by window
+    """Lane ``lane`` of ``lanes``'s batches of one epoch, as indices into ``refs``: window by window
     (``plan_windows``), a seeded shuffle of the window's sequences cut greedily by ``batch_tokens``; no batch spans
-    two windows. Each rank takes every ``world``-th window (so it reads only its own shard files), or, when there
-    are fewer windows than ranks, every ``world``-th batch of them all. The ranks' plans together are the plan of
-    ``world = 1``; they may differ in length by a few batches (the trainer wraps around).
+    two windows. Each lane takes every ``lanes``-th window (so whoever reads a lane reads only its shard files), or,
+    when there are fewer windows than lanes, every ``lanes``-th batch of them all. The lanes' plans together are the
+    plan of ``lanes = 1``; they may differ in length by a few batches (the trainer wraps around).
 
-    Also records, for ``load_batch``, which shard files each batch's window and the window this rank visits next
-    hold, so that it can ask for whole shard files ahead of their rows.
+    Also records, for ``load_batch``, which shard files each batch's window and the lane's next window hold, so that
+    it can ask for whole shard files ahead of their rows (``plan_rank`` records a rank's lanes together).
     """
     windows = plan_windows(refs, seed, epoch)
-    split = 1 < world <= len(windows)
-    mine = list(range(rank, len(windows), world)) if split else list(range(len(windows)))
+    split = 1 < lanes <= len(windows)
+    mine = list(range(lane, len(windows), lanes)) if split else list(range(len(windows)))
     following = plan_windows(refs, seed, epoch + 1)
-    after = [windows[w] for w in mine[1:]] + following[rank if split else 0 :][:1]  # what this rank reads next
+    after = [windows[w] for w in mine[1:]] + following[lane if split else 0 :][:1]  # what this lane reads next
     members = _by_shard(refs)
     lengths = np.minimum(refs.lengths, batch_tokens)
-    orders, cuts, ahead = [], [np.zeros(1, np.int64)], {}
+    orders, cuts, keys, ahead = [], [np.zeros(1, np.int64)], [], []
     for w, later in zip(mine, after):
         idx = np.concatenate([members[s] for s in windows[w]])
         gen = torch.Generator().manual_seed(((seed * 1000 + epoch) * 7919 + 1) * 100_003 + w)
         idx = idx[torch.randperm(len(idx), generator=gen).numpy()]
         ends = _greedy_cuts(lengths[idx], batch_tokens)
         starts = np.concatenate([[0], ends[:-1]])
-        ahead.update(dict.fromkeys(_keys(refs, idx[starts], idx[ends - 1], ends - starts),
-                                   tuple(dict.fromkeys(windows[w] + later))))
+        keys += _keys(refs, idx[starts], idx[ends - 1], ends - starts)
+        ahead += [tuple(dict.fromkeys(windows[w] + later))] * len(ends)
         cuts.append(ends + cuts[-1][-1])
         orders.append(idx)
-    plan = BatchPlan(np.concatenate([np.zeros(0, np.int64)] + orders), np.concatenate(cuts))
-    if world > 1 and not split:
-        plan = _every_nth(plan, rank, world)
+    plan = BatchPlan(np.concatenate([np.zeros(0, np.int64)] + orders), np.concatenate(cuts), keys, ahead)
+    if lanes > 1 and not split:
+        plan = _every_nth(plan, lane, lanes)
     global _readahead
-    _readahead = ahead
+    _readahead = dict(zip(plan.keys, plan.ahead))
     return plan
+
+
+def plan_rank(refs: SequenceTable, batch_tokens: int, seed: int, epoch: int, rank: int, world: int,
+              grad_accum: int) -> list[BatchPlan]:
+    """Rank ``rank`` of ``world``'s plans of one epoch, one per micro-batch of a step: micro-batch ``m`` of every
+    step comes from lane ``rank * grad_accum + m`` of ``world * grad_accum`` (``plan_batches``), so that a step
+    trains on the same batches whatever the split of ``world * grad_accum`` into processes and micro-batches.
+
+    Each batch reads ahead the current and next windows of all the rank's lanes at its step, so that the
+    micro-batches of one step name the same files and each file is asked for once per visit.
+    """
+    plans = [plan_batches(refs, batch_tokens, seed, epoch, rank * grad_accum + m, world * grad_accum)
+             for m in range(grad_accum)]
+    global _readahead
+    _readahead = {}
+    for step in range(max(len(p) for p in plans)):
+        names = tuple(dict.fromkeys(s for p in plans if len(p) for s in p.ahead[step % len(p)]))
+        _readahead.update((p.keys[step], names) for p in plans if step < len(p))
+    return plans
 
 
 def _by_shard(refs: SequenceTable) -> dict[str, np.ndarray]:
@@ -147,12 +168,13 @@ def _greedy_cuts(lengths: np.ndarray, budget: int) -> np.ndarray:
     return np.asarray(ends, np.int64)
 
 
-def _every_nth(plan: BatchPlan, rank: int, world: int) -> BatchPlan:
-    """Batches ``rank``, ``rank + world``, ... of ``plan``."""
-    keep = range(rank, len(plan), world)
+def _every_nth(plan: BatchPlan, lane: int, lanes: int) -> BatchPlan:
+    """Batches ``lane``, ``lane + lanes``, ... of ``plan``."""
+    keep = range(lane, len(plan), lanes)
     parts = [plan.order[plan.bounds[b] : plan.bounds[b + 1]] for b in keep]
     sizes = np.asarray([len(p) for p in parts], np.int64)
-    return BatchPlan(np.concatenate([np.zeros(0, np.int64)] + parts), np.concatenate([[0], np.cumsum(sizes)]))
+    return BatchPlan(np.concatenate([np.zeros(0, np.int64)] + parts), np.concatenate([[0], np.cumsum(sizes)]),
+                     [plan.keys[b] for b in keep], [plan.ahead[b] for b in keep])
 
 
 def _keys(refs: SequenceTable, first: np.ndarray, last: np.ndarray, n: np.ndarray) -> list[tuple]:

@@ -44,7 +44,7 @@ from mtp_train.recipe import Recipe
 from mtp_train.threads import leave_signals_to_main_thread, set_threads, warn_if_oversubscribed
 from mtp_train.train.checkpoint import (begin_checkpoint, finish_checkpoint, head_is_complete, load_checkpoint,
                                         load_optimizer_shard, save_head, save_optimizer_shard)
-from mtp_train.train.data import Batch, BatchPlan, load_batch, plan_batches
+from mtp_train.train.data import Batch, BatchPlan, load_batch, plan_batches, plan_rank
 from mtp_train.train.distributed import (EXIT_STOPPED, StopRequest, make_accelerator, optimizer_state,
                                          restore_optimizer, train_precision)
 from mtp_train.train.loss import LossWeights, StepMetrics
@@ -157,7 +157,7 @@ class Trainer:
     step: int
     wandb_run: Any  # a wandb run on rank 0 unless disabled, else None
     started: float  # time.perf_counter() when run_train began
-    plans: dict[int, BatchPlan] = field(default_factory=dict)  # epoch -> this rank's batches (sequence indices)
+    plans: dict[int, list[BatchPlan]] = field(default_factory=dict)  # epoch -> this rank's lanes of batches
     progress: Progress = field(init=False)
     stop_request: StopRequest = field(init=False)
     prefetch: ThreadPoolExecutor = field(init=False)  # the next micro-batch loads here while the current one trains
@@ -225,11 +225,11 @@ class Trainer:
         The batch plan is made here, on the calling thread; the returned function reads the features."""
         t, reader, aux = self.recipe.train, self.reader, self.aux
         epoch, index = divmod(step, self.per_epoch)
-        if epoch not in self.plans:  # this rank's own windows of the epoch
-            self.plans = {epoch: plan_batches(reader.train, t.batch_tokens, self.recipe.seed, epoch,
-                                              self.accelerator.process_index, self.accelerator.num_processes)}
-        plan = self.plans[epoch]  # a rank's plan can be a batch or two shorter than per_epoch: wrap around
-        ids = plan[(index * t.grad_accum + micro) % len(plan)]
+        if epoch not in self.plans:  # this rank's own windows of the epoch, one lane per micro-batch
+            where = (self.accelerator.process_index, self.accelerator.num_processes, t.grad_accum)
+            self.plans = {epoch: plan_rank(reader.train, t.batch_tokens, self.recipe.seed, epoch, *where)}
+        plan = self.plans[epoch][micro]  # a lane can be a batch or two shorter than per_epoch: wrap around
+        ids = plan[index % len(plan)]
         return lambda: load_batch(reader, [reader.train[i] for i in ids], t.batch_tokens, torch.float32,
                                   every_token=t.loss_tokens == "all", aux=aux)
 
