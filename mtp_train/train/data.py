@@ -76,7 +76,9 @@ class BatchPlan:
     def __len__(self) -> int:
         return len(self.bounds) - 1
 
-    def __getitem__(self, b: int) -> list[int]:
+    def __getitem__(self, b: int | slice) -> list[int] | list[list[int]]:
+        if isinstance(b, slice):
+            return [self[i] for i in range(*b.indices(len(self)))]
         if not -len(self) <= b < len(self):
             raise IndexError(b)
         b %= len(self)
