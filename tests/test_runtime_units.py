@@ -54,6 +54,24 @@ def test_batch_metadata_is_flat_and_indptr_style():
     assert meta.last_page_len.tolist() == [3, 2]
     assert meta.slot_mapping.tolist() == [8, 9, 10, 13]
     assert meta.last_token_index.tolist() == [2, 3]
+    # The host's copies, which the planners read instead of the device's
+    assert meta.host_qo_indptr.tolist() == [0, 3, 4] and meta.host_kv_lens.tolist() == [3, 6]
+    assert meta.host_page_indptr.tolist() == [0, 1, 3] and meta.host_last_page_len.tolist() == [3, 2]
+    assert all(t.device.type == "cpu" and t.dtype == torch.int32 for t in (meta.host_qo_indptr, meta.host_kv_lens))
+
+
+def test_batch_metadata_takes_tokens_already_on_the_device(monkeypatch):
+    """A draft chain's samples stay where they are; the rest of the metadata arrives in one pinned copy."""
+    from fake_cuda import fake_cuda
+
+    with fake_cuda(monkeypatch) as mode:
+        tokens = [torch.tensor([7], device="cuda"), torch.tensor([9], device="cuda")]
+        start = len(mode.syncs)
+        meta = build_batch(tokens, cached_lens=[3, 5], page_tables=[[2], [0, 3]], page_size=4, device=torch.device("cuda"))
+        assert mode.syncs[start:] == []
+        assert meta.tokens.device.type == "cuda" and meta.tokens.cpu().tolist() == [7, 9]
+        assert meta.slot_mapping.device.type == "cuda" and meta.slot_mapping.cpu().tolist() == [11, 13]
+        assert meta.host_qo_indptr.device.type == "cpu" and meta.host_qo_indptr.is_pinned()
 
 
 def test_top_k_and_top_p_shape_the_distribution():
