@@ -42,7 +42,9 @@ Batch = list[tuple[Sequence, int]]  # the running sequences of a speculative ste
 
 @dataclass
 class SpecTimings:
-    """Wall time of the speculative decode steps, and the part of it spent drafting (chain and re-sync forwards)."""
+    """Time of the speculative decode steps, and the part of it spent drafting (chain and re-sync forwards): the
+    host clock on the CPU; on CUDA the device's time between events recorded at each region's ends (``RegionClock``),
+    read once a ``generate`` ends, so timing adds no sync to a step."""
 
     draft_s: float = 0.0
     draft_forwards: int = 0  # batched draft forwards in decode steps (k - 1 chain steps and one re-sync each)
