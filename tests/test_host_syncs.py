@@ -132,3 +132,20 @@ def test_moe_makes_no_sync_and_matches_the_loop_over_experts(monkeypatch):
             out = moe(x)
             assert mode.syncs[start:] == [] and out.device.type == "cuda"
 
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="counts a real GPU's syncs")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_real_gpu_step_makes_at_most_three_host_syncs(prompts, dtype):
+    """The same budget counted by torch's sync debug mode (``runtime.syncs``), FlashInfer's plan included in bf16."""
+    from mtp_train.runtime.syncs import cuda_syncs
+
+    engine = Engine.from_pretrained(TINY_TARGET, dtype=dtype, device="cuda", max_seqs=8)
+    decoder = SpeculativeDecoder(engine, HeadDrafter(engine, _random_head(engine)), 4)
+    decoder.generate(prompts[:2], _params(1.0, 2))  # warm-up: allocations, kernel selection
+    with cuda_syncs() as syncs, most_per_call(decoder, ("_spec_step", "_plain_step"), lambda: syncs.count) as most:
+        decoder.generate(prompts, _params(1.0, 8))
+    with cuda_syncs() as plain, most_per_call(engine, ("step",), lambda: plain.count) as most_plain:
+        engine.generate(prompts, _params(0.0, 8))
+    assert max(most.values()) <= SYNC_BUDGET, (most, syncs.messages)
+    assert most_plain["step"] <= SYNC_BUDGET, (most_plain, plain.messages)
