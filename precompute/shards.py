@@ -109,7 +109,7 @@ def write_shards(plan: ShardPlan, manifest: Manifest, index: RankIndex, engine: 
             seqs = plan.sequences(s)
             progress.note = f"shard {s + 1}/{len(plan)}"
             scored = engine.score([ids for ids, _ in seqs], layers=manifest.layers, topk=manifest.topk,
-                                  on_batch=lambda n: progress.update(n, tokens=n))
+                                  on_batch=lambda n: progress.update(n, tokens=n), keep=writer is not None)
             if writer is not None:
                 meta = {"format_version": "1", "rank": str(rank), "row_ids": json.dumps(plan.row_ids(s))}
                 writer.submit(s, out / shard_name(rank, s), _shard_tensors(scored, seqs, manifest.topk), meta)

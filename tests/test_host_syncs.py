@@ -149,3 +149,19 @@ def test_a_real_gpu_step_makes_at_most_three_host_syncs(prompts, dtype):
         engine.generate(prompts, _params(0.0, 8))
     assert max(most.values()) <= SYNC_BUDGET, (most, syncs.messages)
     assert most_plain["step"] <= SYNC_BUDGET, (most_plain, plain.messages)
+
+
+def test_a_rank_that_writes_no_shard_scores_without_copying_to_the_host(monkeypatch, prompts):
+    """Under tensor parallelism only the leader writes shards: the other ranks score every batch (taking part in
+    its collectives) with ``keep=False``, which copies nothing to the host, where the leader's copies are the
+    features (one read per captured tensor and batch)."""
+    with fake_cuda(monkeypatch) as mode:
+        engine = Engine.from_pretrained(TINY_TARGET, device="cuda", page_size=16, max_batch_tokens=64)
+        start = len(mode.syncs)
+        kept = engine.score(prompts, layers=[-1], topk=4)
+        leader = mode.syncs[start:]
+        start = len(mode.syncs)
+        assert engine.score(prompts, layers=[-1], topk=4, keep=False) is None
+        other = mode.syncs[start:]
+    assert kept.hidden.shape[0] == sum(len(p) for p in prompts) and kept.hidden.device.type == "cpu"
+    assert len(leader) >= 5 * 2 and other == [], (leader, other)

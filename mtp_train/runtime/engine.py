@@ -239,12 +239,14 @@ class Engine:
 
     @torch.inference_mode()
     def score(self, sequences: list[list[int]], layers: list[int] = (-1,), topk: int = 0,
-              on_batch: Callable[[int], None] | None = None) -> ScoreOutput:
+              on_batch: Callable[[int], None] | None = None, keep: bool = True) -> ScoreOutput | None:
         """Teacher-forced forward over ``sequences``, packed into token-budget batches.
 
         ``layers`` are decoder layer ids (negative counts from the end). Row t of the outputs
         describes the prediction made at token t, i.e. the distribution of token t+1.
         ``on_batch`` is called with the number of tokens of each batch once it is scored (progress).
+        ``keep=False``: every batch is scored (a tensor-parallel rank takes part in each collective, batched as the
+        leader batches) but nothing is copied to the host, and None is returned: the ranks that write no shard.
         """
         n_layers = self.cfg.num_layers
         layer_ids = [lid % n_layers for lid in layers]
@@ -267,11 +269,13 @@ class Engine:
                     ) from None
                 stop = start + (stop - start) // 2  # fewer sequences per batch, then retry
                 continue
-            for acc, part in zip((hidden, lp, ids, lse, tail), out):
+            for acc, part in zip((hidden, lp, ids, lse, tail), out if keep else ()):
                 acc.append(part.cpu())  # a shard's features gather in host memory, not on the GPU
             if on_batch is not None:
                 on_batch(sum(len(s) for s in sequences[start:stop]))
             start = stop
+        if not keep:
+            return None
         lens = torch.tensor([len(s) for s in sequences], dtype=torch.int64)
         cu = torch.zeros(len(sequences) + 1, dtype=torch.int64)
         cu[1:] = torch.cumsum(lens, 0)
