@@ -5,7 +5,8 @@ Llama target, 8 layers, hidden 2048, bf16, with the tokenizer of recipes/tiny/ta
 torch and flashinfer attention backends against each other and against transformers in bf16, on fresh prefills and
 over cached pages: decode steps and a verify step, each backend also against its own fresh prefill of the same
 tokens (``gpu_paged.py``); pass marks set from the noise floor of transformers bf16 vs fp32; then greedy decode
-tokens/s, which must at least match transformers ``generate``); precompute (320 rows of the shipped SGD data, then
+tokens/s, which must at least match transformers ``generate``, and the host syncs of a plain and of a speculative
+step, at most ``SYNC_BUDGET`` each, counted by torch's sync debug mode); precompute (320 rows of the shipped SGD data, then
 verify), train (30 steps of the mtp head, bf16 autocast), train:eagle3 and eval (k = 1..4, T = 0 and 1, the eagle3
 head compared; the measured speedup), each ``python -m mtp_train.cli STAGE`` on a recipe written into the work
 directory; then what a cluster runs besides (``gpu_pipeline.extra_stages``): DeepSpeed ZeRO-2 in bf16, a precompute
@@ -43,8 +44,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the project, installed or not
-from gpu_paged import fresh_rows, paged_logprobs  # noqa: E402  (bench/, this script's folder)
+from gpu_paged import fresh_rows, paged_logprobs, step_syncs  # noqa: E402  (bench/, this script's folder)
 from gpu_pipeline import extra_stages, summary, write_recipe  # noqa: E402
+from mtp_train.runtime.syncs import SYNC_BUDGET  # noqa: E402
 TINY = ROOT / "recipes" / "tiny" / "target"
 SMOLLM2 = ROOT / ".cache" / "smollm2-135m-instruct"
 PAGED_STEPS, PAGED_VERIFY = 6, 4  # decode steps over cached pages, then the tokens of one verify step
@@ -146,7 +148,7 @@ def parity(work: Path, size: Size, smoke: bool, which: str) -> list[str]:
     batch, prompt_len, new = size.decode
     prompts = [torch.randint(0, vocab, (prompt_len,), generator=g).tolist() for _ in range(batch)]
     continuation = [torch.randint(0, vocab, (PAGED_STEPS + PAGED_VERIFY,), generator=g).tolist() for _ in prompts]
-    failures, logprobs, speed, outputs, paged = [], {}, {}, {}, {}
+    failures, logprobs, speed, outputs, paged, syncs = [], {}, {}, {}, {}, {}
 
     def reference(dt):
         model = AutoModelForCausalLM.from_pretrained(root, dtype=dt, attn_implementation="sdpa").to(device).eval()
@@ -186,6 +188,8 @@ def parity(work: Path, size: Size, smoke: bool, which: str) -> list[str]:
             results, t_gen = _timed(lambda: engine.generate(prompts, greedy), device)
             outputs[name] = [r.tokens for r in results]
             speed[f"runtime, {name} backend"] = (sum(size.seq_lens) / t_score, batch * new / t_gen)
+            if not smoke:  # torch's sync debug mode needs CUDA; CI counts the same on the fake device
+                syncs[name] = step_syncs(engine, prompts)
         except Exception as e:  # one backend's failure still lets the other be measured
             traceback.print_exc()
             failures.append(f"{name} backend: {_why(e)}")
@@ -221,6 +225,10 @@ def parity(work: Path, size: Size, smoke: bool, which: str) -> list[str]:
         if not smoke and name != "transformers generate" and d < DECODE_PASS * base:
             failures.append(f"{name}: greedy decode at x{d / base:.2f} of transformers generate, under the pass "
                             f"mark x{DECODE_PASS}")
+    for name, most in syncs.items():
+        print(f"Host syncs per step, {name} backend, batch {batch}: {most} (pass mark: at most {SYNC_BUDGET} each)")
+        if max(most.values()) > SYNC_BUDGET:
+            failures.append(f"{name} backend: {max(most.values())} host syncs in one step, over {SYNC_BUDGET}")
     print(f"\nPaged rows: {batch} sequences, {PAGED_STEPS} decode steps of one token, then a {PAGED_VERIFY}-token "
           f"verify step, over the pages of {prompt_len}-token prompts. Decode pass mark (GPU): x{DECODE_PASS} of "
           "generate.\n")

@@ -51,3 +51,24 @@ def fresh_rows(engine: Engine, prompts: list[list[int]], continuation: list[list
     index = [starts[b] + len(p) + t for t in range(decode_steps) for b, p in enumerate(prompts)]
     index += [starts[b] + len(p) + t for b, p in enumerate(prompts) for t in range(decode_steps, len(continuation[b]))]
     return logprobs[torch.tensor(index, device=logprobs.device)]
+
+
+def step_syncs(engine: Engine, prompts: list[list[int]], k: int = 4) -> dict[str, int]:
+    """The most host syncs one step made, on a real GPU (``mtp_train.runtime.syncs``): plain greedy decoding
+    (``step``; its first is the prefill) and speculative decoding with a random mtp head at ``k`` (``_spec_step``,
+    ``_plain_step``), each after an untimed warm-up. At most ``SYNC_BUDGET`` each is the pass mark."""
+    from mtp_train.heads import build_head, head_spec
+    from mtp_train.runtime.drafters import HeadDrafter
+    from mtp_train.runtime.speculative import SpeculativeDecoder
+    from mtp_train.runtime.syncs import cuda_syncs, most_per_call
+
+    params = SamplingParams(max_new_tokens=8, stop_token_ids=())
+    torch.manual_seed(0)
+    decoder = SpeculativeDecoder(engine, HeadDrafter(engine, build_head(head_spec("mtp", 1, engine.cfg, "random"))), k)
+    counts: dict[str, int] = {}
+    for runner, names in ((engine, ("step",)), (decoder, ("_spec_step", "_plain_step"))):
+        runner.generate(prompts, params)
+        with cuda_syncs() as syncs, most_per_call(runner, names, lambda: syncs.count) as most:
+            runner.generate(prompts, params)
+        counts.update(most)
+    return counts
