@@ -114,6 +114,9 @@ def head_saved_bytes(recipe: Recipe, cfg: ModelConfig, cu_seqlens: list[int], st
         embeds, hidden = torch.randn(tokens, cfg.hidden_size), torch.randn(tokens, cfg.hidden_size)
         aux = torch.randn(tokens, len(spec.aux_layers) * cfg.hidden_size) if eagle3 else None
         positions = torch.cat([torch.arange(e - s) for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:])])
+    for module in head.modules():  # experts in a loop on every device: torch's grouped matmul takes bf16 weights
+        if hasattr(module, "no_grouped_mm"):  # only (meta and CUDA), and the head's master weights are fp32
+            module.no_grouped_mm = True
     params = {p.untyped_storage()._cdata for p in head.parameters()}
     saved: list[weakref.ref] = []
 
