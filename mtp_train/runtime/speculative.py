@@ -5,7 +5,8 @@ A decode step (every running sequence is decoding; n = its number of tokens), to
 1. **propose**: the draft's carried logits give d_1; d_2..d_k come from a linear chain of draft forwards (greedy,
    or sampled with the request's own settings);
 2. **verify**: the target forwards ``[t_{n-1}, d_1..d_k]`` in one batch (``q_len = k + 1``);
-3. **accept**: the pure rule (``accept_draft``) keeps a tokens and appends one more (bonus or residual);
+3. **accept**: the batched rule (``accept_batch``, or ``accept_greedy`` at T = 0; ``accept_draft`` is its one-sequence
+   reference) keeps a tokens per sequence and appends one more (bonus or residual), on the device;
 4. the target's pages are truncated to its n + a valid positions, and the draft re-syncs over the
    verified positions (truncate, then forward), which fills its K/V and carries its next logits.
 
