@@ -158,11 +158,12 @@ def head_activation_terms(recipe: Recipe, cfg: ModelConfig) -> tuple[int, int]:
     if attention_kernel(recipe, cfg) == "flash":
         return steps * head_activation_bytes_per_token(recipe, cfg), 0
     n = 512
-    once = 1 if recipe.head.kind == "eagle3" else steps  # other heads' steps are alike: measure one, times unroll
-    one = head_saved_bytes(recipe, cfg, [0, n], steps // once)
-    two = head_saved_bytes(recipe, cfg, [0, 2 * n], steps // once)
+    # eagle3's steps differ (its keys and mask grow): all are measured. Other heads' steps are alike: one, times unroll.
+    measured, times = (steps, 1) if recipe.head.kind == "eagle3" else (1, steps)
+    one = head_saved_bytes(recipe, cfg, [0, n], measured)
+    two = head_saved_bytes(recipe, cfg, [0, 2 * n], measured)
     quadratic = (two - 2 * one) // (2 * n * n)
-    return once * ((one - quadratic * n * n) // n), once * quadratic
+    return times * ((one - quadratic * n * n) // n), times * quadratic
 
 
 def loss_copy_bytes(recipe: Recipe, cfg: ModelConfig) -> int:
