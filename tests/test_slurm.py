@@ -49,8 +49,10 @@ def mtp_train(*args, env=None, timeout: float = 600) -> subprocess.CompletedProc
 
 
 def train_log(output_dir: Path, kind: str = "mtp") -> list[dict]:
+    """The run's step records without their wall times (``step_s``), which differ between runs."""
     path = output_dir / f"train_log.{kind}.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    return [{k: v for k, v in r.items() if k != "step_s"} for r in records]
 
 
 @pytest.fixture(scope="module")

@@ -125,8 +125,8 @@ class TrainInputs:
 
 @dataclass
 class StepResult:
-    """One optimizer step: its log record (``step``, ``loss``, ``lr``, ``top1`` per unrolled step; a validation adds
-    its metrics), the loss unrounded (the mean over ranks of the micro-batches' mean) and this rank's tokens."""
+    """One optimizer step: its log record (``step``, ``loss``, ``lr``, ``top1`` per unrolled step, ``tokens`` over all
+    ranks, ``step_s`` the step's wall time; a validation adds its metrics), the loss unrounded (the mean over ranks of the micro-batches' mean) and this rank's tokens."""
 
     record: dict[str, Any]
     loss: float
@@ -255,6 +255,7 @@ class Trainer:
     def train_step(self) -> StepResult:
         """One optimizer step over ``grad_accum`` micro-batches: gradients, clipping, AdamW, the schedule."""
         t = self.recipe.train
+        started = time.perf_counter()
         step_loss, counts, tokens = 0.0, [[0, 0] for _ in range(t.unroll)], 0  # counts: [correct, count] per step
         for micro in range(t.grad_accum):
             batch = self._next_batch(micro)
@@ -271,7 +272,9 @@ class Trainer:
         self.step += 1
         mean_loss = float(self.accelerator.reduce(torch.tensor(step_loss, device=self.device), reduction="mean"))
         record: dict[str, Any] = {"step": self.step, "loss": round(mean_loss, 6), "lr": self.scheduler.get_last_lr()[0],
-                                  "top1": [round(c / n, 4) if n else None for c, n in counts]}
+                                  "top1": [round(c / n, 4) if n else None for c, n in counts],
+                                  "tokens": tokens * self.accelerator.num_processes,  # other ranks: about as many
+                                  "step_s": round(time.perf_counter() - started, 4)}
         return StepResult(record, mean_loss, tokens)
 
     def validation_due(self) -> bool:
