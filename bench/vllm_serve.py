@@ -9,6 +9,10 @@ stopping at the target's end-of-sequence ids as vLLM reads them from its generat
 with a head, vLLM's speculative-decoding counters from ``llm.get_metrics()`` (drafts, draft tokens, accepted
 tokens, accepted per position).
 
+With ``"sets": {NAME: [[token ids], ...], ...}`` in place of ``prompts`` (bench/peer_parity.py) each set is
+generated in turn by the one loaded engine, and RESULT.json holds ``{"sets": {NAME: {"tokens", "counts"}}}``: each
+set's outputs and the counters it added (the difference of ``llm.get_metrics()`` before and after it).
+
 With ``"timing": {"repeats": R, "batches": [1, 8]}`` (bench/runtime_bench.py) it times plain decoding instead:
 exactly N tokens per prompt (end-of-sequence ignored), the prompts ``batch`` at a time, one untimed warm-up and
 then R repetitions per batch size; RESULT.json holds ``times`` and ``tokens`` per batch size and vLLM's version.
@@ -51,16 +55,44 @@ def main(job_path: str, result_path: str) -> int:
     if job.get("timing"):
         return timing(llm, job, result_path)
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"])
+    if job.get("sets"):
+        return by_set(llm, job, params, spec is not None, result_path, loaded)
     start = time.perf_counter()
     outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]], params, use_tqdm=False)
     result = {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "load_s": round(loaded, 1),
               "generate_s": round(time.perf_counter() - start, 1)}
     if spec is not None:
         result["counts"] = counters(llm.get_metrics())
+    write(result, result_path)
+    return 0
+
+
+def by_set(llm, job: dict, params, speculative: bool, result_path: str, loaded: float) -> int:
+    """Each prompt set generated in turn; its outputs and, speculative, the counters it added."""
+    from vllm.inputs import TokensPrompt
+
+    result: dict = {"load_s": round(loaded, 1), "sets": {}}
+    for name, prompts in job["sets"].items():
+        before = counters(llm.get_metrics()) if speculative else None
+        start = time.perf_counter()
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts], params, use_tqdm=False)
+        one = {"tokens": [list(o.outputs[0].token_ids) for o in outputs],
+               "generate_s": round(time.perf_counter() - start, 1)}
+        if before is not None:
+            after = counters(llm.get_metrics())
+            per_pos = after["accepted_per_position"]
+            old = before["accepted_per_position"] + [0] * (len(per_pos) - len(before["accepted_per_position"]))
+            one["counts"] = {**{k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")},
+                             "accepted_per_position": [a - b for a, b in zip(per_pos, old)]}
+        result["sets"][name] = one
+    write(result, result_path)
+    return 0
+
+
+def write(result: dict, result_path: str) -> None:
     with open(result_path + ".tmp", "w") as f:
         json.dump(result, f)
     os.replace(result_path + ".tmp", result_path)
-    return 0
 
 
 def timing(llm, job: dict, result_path: str) -> int:
@@ -85,9 +117,7 @@ def timing(llm, job: dict, result_path: str) -> int:
             tokens = run()
             times.append(time.perf_counter() - start)
         result["times"][str(batch)], result["tokens"][str(batch)] = times, tokens
-    with open(result_path + ".tmp", "w") as f:
-        json.dump(result, f)
-    os.replace(result_path + ".tmp", result_path)
+    write(result, result_path)
     return 0
 
 
