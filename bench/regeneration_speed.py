@@ -4,6 +4,11 @@
 
 Prints generated tokens/s and a hash of every output token, so runs of two versions of the runtime (or two
 widths) can be set side by side and shown to produce the same tokens. Needs ``make smollm2``.
+
+Then, in the same run, the bound this CPU's matrix multiplies put on it: every weight matmul of the model (q, k, v,
+o, gate, up, down per layer, and the lm_head) timed with torch's ``linear`` at ``width`` rows (a decode step) and
+at 4,096 rows (a prefill), per token; the bound is the generated tokens over the time those matmuls alone take for
+all the run's prompt and generated tokens. Attention, norms, sampling and scheduling are what the runtime adds.
 """
 
 from __future__ import annotations
@@ -49,6 +54,33 @@ def main() -> None:
     digest = hashlib.md5(str([r.tokens for r in results]).encode()).hexdigest()
     print(f"width {args.width}, {len(prompts)} prompts ({sum(map(len, prompts)):,} prompt tokens), {generated:,} "
           f"tokens generated in {elapsed:.1f}s: {generated / elapsed:.1f} tok/s; outputs md5 {digest}")
+    decode, prefill = matmul_seconds(engine.cfg, args.width), matmul_seconds(engine.cfg, 4096)
+    bound = generated / (sum(map(len, prompts)) * prefill + generated * decode)
+    print(f"matmuls alone: {1 / decode:,.0f} tok/s at {args.width} rows, {1 / prefill:,.0f} tok/s at 4,096 rows; "
+          f"this run's bound {bound:.1f} tok/s; measured / bound {generated / elapsed / bound:.2f}")
+
+
+def matmul_seconds(cfg, rows: int, repeats: int = 3) -> float:
+    """Seconds per token of every weight matmul of the model at ``rows`` rows (best of ``repeats``)."""
+    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes = [(q, h), (kv, h), (kv, h), (h, q), (cfg.intermediate_size, h), (cfg.intermediate_size, h),
+              (h, cfg.intermediate_size)]
+    total = 0.0
+    for out_f, in_f in shapes:
+        x, w = torch.randn(rows, in_f), torch.randn(out_f, in_f)
+        total += cfg.num_layers * _best(lambda: torch.nn.functional.linear(x, w), repeats)
+    x, w = torch.randn(rows, h), torch.randn(cfg.vocab_size, h)
+    return (total + _best(lambda: torch.nn.functional.linear(x, w), repeats)) / rows
+
+
+def _best(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
 
 
 if __name__ == "__main__":

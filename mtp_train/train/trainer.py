@@ -125,8 +125,7 @@ class TrainInputs:
 
 @dataclass
 class StepResult:
-    """One optimizer step: its log record (``step``, ``loss``, ``lr``, ``top1`` per unrolled step, ``tokens`` over all
-    ranks, ``step_s`` the step's wall time; a validation adds its metrics), the loss unrounded (the mean over ranks of the micro-batches' mean) and this rank's tokens."""
+    """A step's log record (step, loss, lr, top1, tokens, step_s; validation metrics), loss and this rank's tokens."""
 
     record: dict[str, Any]
     loss: float
@@ -255,16 +254,14 @@ class Trainer:
     def train_step(self) -> StepResult:
         """One optimizer step over ``grad_accum`` micro-batches: gradients, clipping, AdamW, the schedule."""
         t = self.recipe.train
-        started = time.perf_counter()
-        step_loss, counts, tokens = 0.0, [[0, 0] for _ in range(t.unroll)], 0  # counts: [correct, count] per step
+        started, step_loss, tokens, counts = time.perf_counter(), 0.0, 0, [[0, 0] for _ in range(t.unroll)]
         for micro in range(t.grad_accum):
             batch = self._next_batch(micro)
             micro_loss, metrics = self._forward_backward(batch, last=micro == t.grad_accum - 1)
             step_loss += float(micro_loss.detach()) / t.grad_accum
             tokens += batch.num_tokens
             for c, m in zip(counts, metrics):
-                c[0] += m.correct
-                c[1] += m.count
+                c[0], c[1] = c[0] + m.correct, c[1] + m.count
         self.accelerator.clip_grad_norm_(self.model.parameters(), t.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
@@ -273,7 +270,7 @@ class Trainer:
         mean_loss = float(self.accelerator.reduce(torch.tensor(step_loss, device=self.device), reduction="mean"))
         record: dict[str, Any] = {"step": self.step, "loss": round(mean_loss, 6), "lr": self.scheduler.get_last_lr()[0],
                                   "top1": [round(c / n, 4) if n else None for c, n in counts],
-                                  "tokens": tokens * self.accelerator.num_processes,  # other ranks: about as many
+                                  "tokens": tokens * self.accelerator.num_processes,
                                   "step_s": round(time.perf_counter() - started, 4)}
         return StepResult(record, mean_loss, tokens)
 

@@ -1,0 +1,251 @@
+"""SpecForge side by side with this trainer at equal data: EAGLE-3 heads for SmolLM2, served by vLLM's CPU build.
+
+    make smollm2 vllm peers         # once: the target, vLLM (.venv-vllm) and SpecForge (.venv-peers)
+    .venv/bin/python bench/peer_parity.py [--rows 320] [--steps 120] [--scales 1 4] [--data dolly sgd]
+
+For each data set and scale (``--rows`` × scale conversations, ``--steps`` × scale steps):
+
+1. **The conversations.** ``dolly``: the recipe's data (recipes/smollm2.yaml), Dolly prompts answered by SmolLM2
+   itself (greedy, at most 96 tokens; regenerated once for the largest scale, smaller scales take its first rows).
+   ``sgd``: SGD's training dialogues as written. Written to ``WORK/CELL/conversations.jsonl``.
+2. **This trainer.** recipes/smollm2.yaml with ``head.kind=eagle3`` on those conversations: precompute, train,
+   ``export --format vllm``. Its tokens/s is Σ tokens / Σ step_s of the train log (the optimizer steps only).
+3. **SpecForge** (bench/peers/specforge_run.py in .venv-peers) on exactly the token ids and loss masks our
+   precompute stored, with our draft vocabulary (d2t/t2d), the same max length, TTT length (our unroll), lr and
+   warm-up, and as many rows per step as fill our ``train.batch_tokens`` on average, for as many steps as make the
+   same tokens.
+4. **Scoring.** Both exported heads are served by vLLM (bench/vllm_serve.py, in .venv-vllm) on the same prompts:
+   the held-out set of the data (Dolly rows no scale trains on; SGD's dev split), Spec-Bench and MT-bench first
+   turns (``--prompts`` each, category-stratified), greedy, ``--new-tokens`` tokens, at k = 1..4. Lossless: every
+   speculative output equals vLLM's plain output.
+
+Everything lands in ``--work`` (default runs/peers) and a rerun keeps what is complete. Prints two Markdown
+tables (acceptance; tokens/s and bytes per token), the goals at k = 3 and the differences between the two runs
+that cannot be removed; ``WORK/peer_parity.json`` holds the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+import yaml  # noqa: E402
+
+from peer_table import ACCEPTANCE_HEADER, acceptance_rows, cost_rows, goal_rows  # noqa: E402
+from vllm_check import serve  # noqa: E402
+
+PEERS_PYTHON = REPO / ".venv-peers" / "bin" / "python"
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+RECIPE = REPO / "recipes" / "smollm2.yaml"
+SGD = REPO / "data" / "sgd" / "sgd_train_sharegpt.jsonl.gz"
+DOLLY = REPO / "data" / "general" / "prompts.jsonl.gz"
+MTP_TRAIN = [sys.executable, "-m", "mtp_train.cli"]
+DIFFERENCES = [
+    "loss mask: SpecForge gates the prediction of t+2 on the mask at t (ours: on the mask of the predicted token)",
+    "loss normalisation: SpecForge divides by batch × length, padding included (ours: a mean over masked tokens)",
+    "teacher: SpecForge full-vocabulary logits restricted to the draft ids, skipping positions whose target top-1 "
+    "is outside them (ours: the stored top-32 + tail, mapped to the draft vocabulary)",
+    "features: ours bf16 hidden states of 3 layers + the last, top-32 logits; SpecForge's own capture format",
+    "batches: ours packed windows of train.batch_tokens; SpecForge rows padded per batch",
+]
+
+
+def conversations(data: str, rows: int, work: Path, regen_rows: int) -> list[dict]:
+    """The first ``rows`` conversations of ``data`` in the openai format."""
+    from mtp_train.data.dataset import load_rows
+
+    if data == "sgd":
+        return [{"messages": r.content} for r in load_rows([SGD], "sharegpt", False, rows).rows]
+    regen = work / "regen"
+    run([*MTP_TRAIN, "precompute", str(RECIPE), f"output_dir={regen}", f"data.max_rows={regen_rows}",
+         "data.heldout_rows=0"], work / "regen.log")
+    lines = (regen / "features" / "regenerated.rank-00000.jsonl").read_text().splitlines()[1:]
+    by_id = {r["row_id"]: r["messages"] for r in map(json.loads, lines)}
+    return [{"messages": by_id[i]} for i in sorted(by_id)[:rows]]
+
+
+def run(cmd: list[str], log: Path, env: dict | None = None) -> None:
+    """``cmd`` with its output appended to ``log``; a failure stops the benchmark naming the log."""
+    with open(log, "a") as f:
+        proc = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    if proc.returncode != 0:
+        sys.exit(f"peer_parity: {' '.join(map(str, cmd[:4]))} ... failed (exit {proc.returncode}); see {log}")
+
+
+def our_recipe(cell: Path, steps: int) -> Path:
+    """recipes/smollm2.yaml with an eagle3 head on the cell's conversations as written, no held-out rows."""
+    recipe = yaml.safe_load(RECIPE.read_text())
+    recipe["output_dir"] = str(cell / "ours")
+    recipe["target"]["path"] = str((RECIPE.parent / recipe["target"]["path"]).resolve())
+    recipe["data"].update(train=str(cell / "conversations.jsonl"), format="openai", max_rows=None, heldout_rows=0,
+                          regenerate=False)
+    recipe["head"]["kind"] = "eagle3"
+    recipe["train"].update(max_steps=steps, val_every=10**6, save_every=10**6, wandb_mode="disabled")
+    path = cell / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
+def train_ours(cell: Path, steps: int) -> dict:
+    """Precompute, train and export our head; its cost (steps, tokens, tokens/s, bytes per token)."""
+    recipe = our_recipe(cell, steps)
+    for stage in ("precompute", "train"):
+        run([*MTP_TRAIN, stage, str(recipe)], cell / "ours.log")
+    if not (cell / "ours-vllm" / "config.json").is_file():
+        run([*MTP_TRAIN, "export", str(recipe), "--format", "vllm", "--out", str(cell / "ours-vllm")], cell / "ours.log")
+    records = [json.loads(line) for line in (cell / "ours" / "train_log.eagle3.jsonl").read_text().splitlines()]
+    features = cell / "ours" / "features"  # every file counts: shards, indexes, manifests
+    stored = json.loads((features / "manifest.json").read_text())
+    tokens = sum(r["tokens"] for r in records)
+    return {"steps": len(records), "tokens_trained": tokens, "tokens_per_s": tokens / sum(r["step_s"] for r in records),
+            "bytes_per_token": sum(f.stat().st_size for f in features.iterdir()) / stored["totals"]["tokens"]}
+
+
+def peer_inputs(cell: Path) -> tuple[Path, Path, float]:
+    """Our stored token ids and loss masks as SpecForge's JSONL input, our draft vocabulary as its mapping, and the
+    mean conversation length."""
+    from safetensors.torch import load_file, save_file
+
+    from mtp_train.features.reader import FeatureReader
+
+    reader = FeatureReader(cell / "ours" / "features")
+    tokens, lengths = cell / "tokens.jsonl", []
+    with open(tokens, "w") as f:
+        for ref in reader.train:
+            rows = reader.load(ref)
+            lengths.append(len(rows["input_ids"]))
+            f.write(json.dumps({"input_ids": rows["input_ids"].tolist(), "loss_mask": rows["loss_mask"].tolist()}) + "\n")
+    head = load_file(cell / "ours-vllm" / "model.safetensors")
+    vocab = cell / "vocab.safetensors"
+    save_file({"d2t": head["d2t"], "t2d": head["t2d"]}, vocab)
+    return tokens, vocab, sum(lengths) / len(lengths)
+
+
+def train_specforge(cell: Path, ours: dict, recipe: dict, threads: int) -> dict:
+    """SpecForge on our tokens and vocabulary, as many tokens as ours trained; its result.json."""
+    out = cell / "specforge"
+    if not (out / "result.json").is_file():
+        tokens, vocab, mean_len = peer_inputs(cell)
+        t = recipe["train"]
+        batch = max(1, round(t["batch_tokens"] / mean_len))
+        job = {"target": recipe["target"]["path"], "tokens": str(tokens), "vocab": str(vocab),
+               "max_length": recipe["data"]["max_length"], "ttt_length": t["unroll"], "lr": t["lr"],
+               "warmup_steps": t["warmup_steps"], "total_steps": max(1, round(ours["tokens_trained"] / (batch * mean_len))),
+               "batch_size": batch, "seed": recipe["seed"], "threads": threads, "out": str(out)}
+        (cell / "specforge-job.json").write_text(json.dumps(job, indent=1))
+        run([str(PEERS_PYTHON), str(REPO / "bench" / "peers" / "specforge_run.py"), str(cell / "specforge-job.json")],
+            cell / "specforge.log")
+    return json.loads((out / "result.json").read_text())
+
+
+def prompt_sets(data: str, n: int, regen_rows: int) -> dict[str, list[list[int]]]:
+    """The scoring prompts as token ids: the data's held-out set, Spec-Bench and MT-bench, ``n`` each."""
+    from transformers import AutoTokenizer
+
+    from mtp_train.data.dataset import load_rows
+    from mtp_train.eval.prompts import load_prompt_set, render_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(REPO / ".cache" / "smollm2-135m-instruct")
+    if data == "sgd":
+        heldout = load_prompt_set("sgd_dev", max_prompts=n)
+    else:  # Dolly rows after every row any scale trains on
+        rows = [r for r in load_rows([DOLLY], "openai", False, regen_rows + 4 * n).rows if r.row_id >= regen_rows]
+        heldout = load_prompt_set("heldout", heldout_rows=rows, max_prompts=n)
+    sets = {"heldout": heldout, **{name: load_prompt_set(name, max_prompts=n) for name in ("spec_bench", "mt_bench")}}
+    return {name: [render_prompt(tokenizer, p.messages) for p in prompts] for name, prompts in sets.items()}
+
+
+def served(job: dict, work: Path, name: str) -> dict:
+    """One vLLM run (bench/vllm_serve.py), kept in ``work`` for reruns."""
+    done = work / f"{name}.out.json"
+    return json.loads(done.read_text()) if done.is_file() else serve(VLLM_PYTHON, job, work, name)
+
+
+def score(cell: Path, job: dict, plain: dict, ks: list[int]) -> dict:
+    """``[trainer][k][set]`` = vLLM's counters with each exported head and whether its outputs equal plain's."""
+    heads = {"ours": cell / "ours-vllm", "specforge": cell / "specforge" / "vllm"}
+    out: dict = {}
+    for trainer, head in heads.items():
+        out[trainer] = {}
+        for k in ks:
+            result = served({**job, "head": str(head), "k": k, "method": "eagle3"}, cell, f"vllm-{trainer}-k{k}")
+            out[trainer][k] = {name: {"counts": r["counts"], "lossless": r["tokens"] == plain["sets"][name]["tokens"]}
+                               for name, r in result["sets"].items()}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, default=320, help="conversations at scale 1")
+    parser.add_argument("--steps", type=int, default=120, help="training steps at scale 1 (this trainer's)")
+    parser.add_argument("--scales", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--data", nargs="+", choices=("dolly", "sgd"), default=["dolly", "sgd"])
+    parser.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4])
+    parser.add_argument("--prompts", type=int, default=16, help="prompts per scoring set")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2, help="SpecForge's torch threads (ours: the recipe's)")
+    parser.add_argument("--work", type=Path, default=REPO / "runs" / "peers")
+    args = parser.parse_args(argv)
+    for python, make in ((VLLM_PYTHON, "vllm"), (PEERS_PYTHON, "peers")):
+        if not python.is_file():
+            sys.exit(f"peer_parity: {python} not found; run `make {make}` first")
+    args.work.mkdir(parents=True, exist_ok=True)
+    recipe = yaml.safe_load(RECIPE.read_text())
+    recipe["target"]["path"] = str((RECIPE.parent / recipe["target"]["path"]).resolve())
+    regen_rows = args.rows * max(args.scales)
+    cells, scores = {}, {}
+    for data in args.data:
+        sets = prompt_sets(data, args.prompts, regen_rows)
+        longest = max(len(ids) for prompts in sets.values() for ids in prompts)
+        job = {"target": recipe["target"]["path"], "sets": sets, "max_tokens": args.new_tokens,
+               "max_model_len": longest + args.new_tokens + max(args.k) + 8}
+        plain = served({**job, "head": None}, args.work, f"vllm-{data}-plain")
+        for scale in args.scales:
+            name = f"{data} × {scale}"
+            cell = args.work / f"{data}-{scale}x"
+            cell.mkdir(exist_ok=True)
+            convs = cell / "conversations.jsonl"
+            if not convs.is_file():
+                rows = conversations(data, args.rows * scale, args.work, regen_rows)
+                convs.write_text("".join(json.dumps(c) + "\n" for c in rows))
+            ours = train_ours(cell, args.steps * scale)
+            theirs = train_specforge(cell, ours, recipe, args.threads)
+            cells[name] = {"ours": ours, "specforge": theirs}
+            scores[name] = score(cell, job, plain, args.k)
+    report(cells, scores, args)
+    return 0
+
+
+def report(cells: dict, scores: dict, args: argparse.Namespace) -> None:
+    """The tables, the goals at k = 3 and the differences; the numbers into WORK/peer_parity.json."""
+    print(ACCEPTANCE_HEADER)
+    for name, s in scores.items():
+        print("\n".join(acceptance_rows(name, s, args.k)))
+    print()
+    print("\n".join(cost_rows(cells)))
+    goal_k = 3 if 3 in args.k else max(args.k)
+    print(f"\nGoals at k = {goal_k} (ours at least SpecForge's within one standard error):")
+    for name, s in scores.items():
+        for line, ok in goal_rows(name, s, goal_k):
+            print(f"- {'met' if ok else 'MISSED'}: {line}")
+    for name, c in cells.items():
+        for what, better in (("tokens/s", c["ours"]["tokens_per_s"] >= c["specforge"]["tokens_per_s"]),
+                             ("bytes/token", c["ours"]["bytes_per_token"] <= c["specforge"]["bytes_per_token"])):
+            print(f"- {'met' if better else 'MISSED'}: {name}: {what}")
+    print("\nDifferences between the two runs that remain:")
+    for line in DIFFERENCES + sorted({n for c in cells.values() for n in c["specforge"].get("notes", [])}):
+        print(f"- {line}")
+    (args.work / "peer_parity.json").write_text(json.dumps({"cells": cells, "scores": scores, "args": {
+        k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

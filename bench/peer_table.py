@@ -1,0 +1,101 @@
+"""What bench/peer_parity.py prints: acceptance from vLLM's counters with standard errors, and the side-by-side table.
+
+From one vLLM run's counters at draft length k (``drafts`` D, ``accepted_per_position`` a_1..a_k, where a_i counts
+the drafts whose first i tokens were all accepted):
+
+- α_i = a_i / D, the rate at which position i is accepted (unconditional, vLLM's convention);
+- MAL = 1 + Σ a_i / D, the mean acceptance length with the bonus token;
+- the accepted length of one draft is L with P(L ≥ i) = a_i / D, so E[L²] = Σ (2i − 1) a_i / D and
+  SE(MAL) = sqrt((E[L²] − E[L]²) / D); SE(α_1) = sqrt(α_1 (1 − α_1) / D).
+
+These treat drafts as independent, which drafts of one answer are not, so the errors are lower bounds. "At least
+SpecForge's" is read as ours ≥ theirs − sqrt(SE_ours² + SE_theirs²).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """One head at one k on one prompt set, from vLLM's counters."""
+
+    drafts: int
+    per_position: tuple[int, ...]  # a_1..a_k
+
+    @property
+    def alphas(self) -> list[float]:
+        return [a / self.drafts if self.drafts else 0.0 for a in self.per_position]
+
+    @property
+    def mal(self) -> float:
+        return 1.0 + sum(self.alphas)
+
+    @property
+    def se_alpha1(self) -> float:
+        p = self.alphas[0] if self.per_position else 0.0
+        return math.sqrt(p * (1 - p) / self.drafts) if self.drafts else 0.0
+
+    @property
+    def se_mal(self) -> float:
+        if not self.drafts:
+            return 0.0
+        mean = sum(self.alphas)
+        square = sum((2 * i + 1) * a for i, a in enumerate(self.alphas))
+        return math.sqrt(max(square - mean * mean, 0.0) / self.drafts)
+
+
+def from_counts(counts: dict) -> Acceptance:
+    return Acceptance(counts["drafts"], tuple(counts["accepted_per_position"]))
+
+
+def at_least(ours: float, theirs: float, se_ours: float, se_theirs: float) -> bool:
+    """Ours at least theirs, within one standard error of the difference."""
+    return ours >= theirs - math.hypot(se_ours, se_theirs)
+
+
+def acceptance_rows(cell: str, scores: dict, ks: list[int]) -> list[str]:
+    """Markdown rows for one cell: per prompt set and k, α_1..α_k and MAL of both heads, lossless or not.
+
+    ``scores[trainer][k][set]`` = ``{"counts": ..., "lossless": bool}``.
+    """
+    rows = []
+    for name in scores["ours"][ks[0]]:
+        for k in ks:
+            a, b = (from_counts(scores[t][k][name]["counts"]) for t in ("ours", "specforge"))
+            lossless = all(scores[t][k][name]["lossless"] for t in ("ours", "specforge"))
+            rows.append(f"| {cell} | {name} | {k} | {' / '.join(f'{x:.3f}' for x in a.alphas)} | "
+                        f"{' / '.join(f'{x:.3f}' for x in b.alphas)} | {a.mal:.3f} ± {a.se_mal:.3f} | "
+                        f"{b.mal:.3f} ± {b.se_mal:.3f} | {a.drafts} / {b.drafts} | {'yes' if lossless else 'NO'} |")
+    return rows
+
+
+ACCEPTANCE_HEADER = ("| data × scale | prompts | k | ours α_1..α_k | SpecForge α_1..α_k | ours MAL ± SE | "
+                     "SpecForge MAL ± SE | drafts (ours / SpecForge) | lossless |\n"
+                     "|---|---|---:|---|---|---:|---:|---:|---|")
+
+
+def goal_rows(cell: str, scores: dict, k: int) -> list[tuple[str, bool]]:
+    """The goal at ``k``: on every prompt set, our α_1 and MAL at least SpecForge's within one SE."""
+    out = []
+    for name in scores["ours"][k]:
+        a, b = (from_counts(scores[t][k][name]["counts"]) for t in ("ours", "specforge"))
+        ok_alpha = at_least(a.alphas[0], b.alphas[0], a.se_alpha1, b.se_alpha1)
+        ok_mal = at_least(a.mal, b.mal, a.se_mal, b.se_mal)
+        out.append((f"{cell}, {name}, k={k}: α_1 {a.alphas[0]:.3f} vs {b.alphas[0]:.3f}, MAL {a.mal:.3f} vs "
+                    f"{b.mal:.3f}", ok_alpha and ok_mal))
+    return out
+
+
+def cost_rows(cells: dict) -> list[str]:
+    """Markdown rows: each trainer's tokens trained, training tokens/s and feature bytes per token, per cell."""
+    rows = ["| data × scale | trainer | steps | tokens trained | training tokens/s | feature bytes/token |",
+            "|---|---|---:|---:|---:|---:|"]
+    for cell, c in cells.items():
+        for trainer in ("ours", "specforge"):
+            r = c[trainer]
+            rows.append(f"| {cell} | {'mtp-train' if trainer == 'ours' else 'SpecForge'} | {r['steps']} | "
+                        f"{r['tokens_trained']:,} | {r['tokens_per_s']:,.0f} | {r['bytes_per_token']:,.0f} |")
+    return rows
