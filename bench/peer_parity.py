@@ -80,11 +80,17 @@ def run(cmd: list[str], log: Path, env: dict | None = None) -> None:
         sys.exit(f"peer_parity: {' '.join(map(str, cmd[:4]))} ... failed (exit {proc.returncode}); see {log}")
 
 
+def base_recipe() -> dict:
+    """recipes/smollm2.yaml as a dict, its target path made absolute."""
+    recipe = yaml.safe_load(RECIPE.read_text())
+    recipe["target"]["path"] = str((RECIPE.parent / recipe["target"]["path"]).resolve())
+    return recipe
+
+
 def our_recipe(cell: Path, steps: int) -> Path:
     """recipes/smollm2.yaml with an eagle3 head on the cell's conversations as written, no held-out rows."""
-    recipe = yaml.safe_load(RECIPE.read_text())
+    recipe = base_recipe()
     recipe["output_dir"] = str(cell / "ours")
-    recipe["target"]["path"] = str((RECIPE.parent / recipe["target"]["path"]).resolve())
     recipe["data"].update(train=str(cell / "conversations.jsonl"), format="openai", max_rows=None, heldout_rows=0,
                           regenerate=False)
     recipe["head"]["kind"] = "eagle3"
@@ -198,8 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         if not python.is_file():
             sys.exit(f"peer_parity: {python} not found; run `make {make}` first")
     args.work.mkdir(parents=True, exist_ok=True)
-    recipe = yaml.safe_load(RECIPE.read_text())
-    recipe["target"]["path"] = str((RECIPE.parent / recipe["target"]["path"]).resolve())
+    recipe = base_recipe()
     regen_rows = args.rows * max(args.scales)
     cells, scores = {}, {}
     for data in args.data:

@@ -6,13 +6,13 @@ micro-batches -> loss -> backward -> clip -> step -> log -> validate -> checkpoi
 write the HF-style head directory. ``Trainer`` holds the run's state and names each of those steps.
 
 Launch one process with ``mtp-train train RECIPE``; several on CPU with
-``ACCELERATE_USE_CPU=1 torchrun --nproc_per_node N -m mtp_train.cli train RECIPE`` (gloo).
-Rank r takes batches r, r+W, ... of each epoch's seeded order, so the global batch is
-``W * grad_accum * batch_tokens`` tokens, and the data position is a function of the step.
+``ACCELERATE_USE_CPU=1 torchrun --nproc_per_node N -m mtp_train.cli train RECIPE`` (gloo). Rank r takes batches
+r, r+W, ... of each epoch's seeded order, so the global batch is ``W * grad_accum * batch_tokens`` tokens, and the
+data position is a function of the step.
 
-SIGUSR1 or SIGTERM (a SLURM time-limit warning or a preemption) asks for a stop: at the end of the
-current optimizer step every rank agrees on it, a checkpoint is written, and the process exits with
-status 75 (``EXIT_STOPPED``). Rerunning the command resumes from that checkpoint.
+SIGUSR1 or SIGTERM (a SLURM time-limit warning or a preemption) asks for a stop: at the end of the current
+optimizer step every rank agrees on it, a checkpoint is written, and the process exits with status 75
+(``EXIT_STOPPED``). Rerunning the command resumes from that checkpoint.
 """
 
 from __future__ import annotations
@@ -62,8 +62,7 @@ def run_train(recipe: Recipe) -> Path:
     """Train ``recipe``'s head, resuming from its latest checkpoint, and write the head directory (returned).
 
     A head already complete for this recipe and these features is kept as it is. A stop request (SIGUSR1 or
-    SIGTERM) ends the process with status ``EXIT_STOPPED`` after a checkpoint of the current step.
-    """
+    SIGTERM) ends the process with status ``EXIT_STOPPED`` after a checkpoint of the current step."""
     started = time.perf_counter()
     set_threads(recipe.threads)
     inputs = TrainInputs.read(recipe)
@@ -125,7 +124,8 @@ class TrainInputs:
 
 @dataclass
 class StepResult:
-    """A step's log record (step, loss, lr, top1, tokens, step_s; validation metrics), loss and this rank's tokens."""
+    """One optimizer step: its log record (``step``, ``loss``, ``lr``, ``top1`` per unrolled step, ``tokens`` of all
+    ranks, ``step_s`` its wall time; a validation adds its metrics), the loss unrounded and this rank's tokens."""
 
     record: dict[str, Any]
     loss: float
@@ -136,8 +136,7 @@ class StepResult:
 class Trainer:
     """One run's state from set-up to the head directory. ``step`` counts the optimizer steps done; ``head`` is the
     module itself and ``model`` the same head as accelerate prepared it (DDP, or a DeepSpeed engine). The loop's own
-    machinery (progress line, stop request, the loading thread and its pending micro-batch) starts last in ``setup``.
-    """
+    machinery (progress line, stop request, loading thread and its pending micro-batch) starts last in ``setup``."""
 
     recipe: Recipe
     reader: FeatureReader
@@ -254,14 +253,16 @@ class Trainer:
     def train_step(self) -> StepResult:
         """One optimizer step over ``grad_accum`` micro-batches: gradients, clipping, AdamW, the schedule."""
         t = self.recipe.train
-        started, step_loss, tokens, counts = time.perf_counter(), 0.0, 0, [[0, 0] for _ in range(t.unroll)]
+        started = time.perf_counter()
+        step_loss, counts, tokens = 0.0, [[0, 0] for _ in range(t.unroll)], 0  # counts: [correct, count] per step
         for micro in range(t.grad_accum):
             batch = self._next_batch(micro)
             micro_loss, metrics = self._forward_backward(batch, last=micro == t.grad_accum - 1)
             step_loss += float(micro_loss.detach()) / t.grad_accum
             tokens += batch.num_tokens
             for c, m in zip(counts, metrics):
-                c[0], c[1] = c[0] + m.correct, c[1] + m.count
+                c[0] += m.correct
+                c[1] += m.count
         self.accelerator.clip_grad_norm_(self.model.parameters(), t.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
@@ -337,8 +338,7 @@ class Trainer:
                 self.wandb_run.finish()
 
     def finish(self) -> Path:
-        """After the last step: every rank's weight digest, then on rank 0 the final validation and the head
-        directory, which is returned."""
+        """After the last step: every rank's weight digest; on rank 0 the final validation and the head directory."""
         self._release(cancel_loads=False)
         digests = self._rank_digests()
         out = self.recipe.head_dir()
