@@ -94,6 +94,7 @@ def our_recipe(cell: Path, steps: int) -> Path:
     recipe["data"].update(train=str(cell / "conversations.jsonl"), format="openai", max_rows=None, heldout_rows=0,
                           regenerate=False)
     recipe["head"]["kind"] = "eagle3"
+    recipe["eval"]["compare"] = []  # train no baseline heads beside it
     recipe["train"].update(max_steps=steps, val_every=10**6, save_every=10**6, wandb_mode="disabled")
     path = cell / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
@@ -138,14 +139,15 @@ def peer_inputs(cell: Path) -> tuple[Path, Path, float]:
 def train_specforge(cell: Path, ours: dict, recipe: dict, threads: int) -> dict:
     """SpecForge on our tokens and vocabulary, as many tokens as ours trained; its result.json."""
     out = cell / "specforge"
-    if not (out / "result.json").is_file():
-        tokens, vocab, mean_len = peer_inputs(cell)
-        t = recipe["train"]
-        batch = max(1, round(t["batch_tokens"] / mean_len))
-        job = {"target": recipe["target"]["path"], "tokens": str(tokens), "vocab": str(vocab),
-               "max_length": recipe["data"]["max_length"], "ttt_length": t["unroll"], "lr": t["lr"],
-               "warmup_steps": t["warmup_steps"], "total_steps": max(1, round(ours["tokens_trained"] / (batch * mean_len))),
-               "batch_size": batch, "seed": recipe["seed"], "threads": threads, "out": str(out)}
+    tokens, vocab, mean_len = peer_inputs(cell)
+    t = recipe["train"]
+    batch = max(1, round(t["batch_tokens"] / mean_len))
+    job = {"target": recipe["target"]["path"], "tokens": str(tokens), "vocab": str(vocab),
+           "max_length": recipe["data"]["max_length"], "ttt_length": t["unroll"], "lr": t["lr"],
+           "warmup_steps": t["warmup_steps"], "total_steps": max(1, round(ours["tokens_trained"] / (batch * mean_len))),
+           "batch_size": batch, "seed": recipe["seed"], "threads": threads, "out": str(out)}
+    done = out / "result.json"
+    if not done.is_file() or json.loads(done.read_text())["job"] != job:
         (cell / "specforge-job.json").write_text(json.dumps(job, indent=1))
         run([str(PEERS_PYTHON), str(REPO / "bench" / "peers" / "specforge_run.py"), str(cell / "specforge-job.json")],
             cell / "specforge.log")
@@ -170,9 +172,12 @@ def prompt_sets(data: str, n: int, regen_rows: int) -> dict[str, list[list[int]]
 
 
 def served(job: dict, work: Path, name: str) -> dict:
-    """One vLLM run (bench/vllm_serve.py), kept in ``work`` for reruns."""
-    done = work / f"{name}.out.json"
-    return json.loads(done.read_text()) if done.is_file() else serve(VLLM_PYTHON, job, work, name)
+    """One vLLM run (bench/vllm_serve.py), kept in ``work`` for reruns of the same job (head, k, prompts)."""
+    done, asked = work / f"{name}.out.json", work / f"{name}.json"
+    if done.is_file() and asked.is_file() and json.loads(asked.read_text()) == json.loads(json.dumps(job)):
+        return json.loads(done.read_text())
+    done.unlink(missing_ok=True)
+    return serve(VLLM_PYTHON, job, work, name)
 
 
 def score(cell: Path, job: dict, plain: dict, ks: list[int]) -> dict:
@@ -199,13 +204,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="SpecForge's torch threads (ours: the recipe's)")
     parser.add_argument("--work", type=Path, default=REPO / "runs" / "peers")
+    parser.add_argument("--regen-rows", type=int, help="Dolly rows regenerated once (default: rows × the largest "
+                        "scale); the held-out prompts come after them")
     args = parser.parse_args(argv)
     for python, make in ((VLLM_PYTHON, "vllm"), (PEERS_PYTHON, "peers")):
         if not python.is_file():
             sys.exit(f"peer_parity: {python} not found; run `make {make}` first")
+    args.work = args.work.resolve()
     args.work.mkdir(parents=True, exist_ok=True)
     recipe = base_recipe()
-    regen_rows = args.rows * max(args.scales)
+    regen_rows = max(args.regen_rows or 0, args.rows * max(args.scales))
     cells, scores = {}, {}
     for data in args.data:
         sets = prompt_sets(data, args.prompts, regen_rows)
