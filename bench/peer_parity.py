@@ -1,12 +1,12 @@
 """SpecForge side by side with this trainer at equal data: EAGLE-3 heads for SmolLM2, served by vLLM's CPU build.
 
     make smollm2 vllm peers         # once: the target, vLLM (.venv-vllm) and SpecForge (.venv-peers)
-    .venv/bin/python bench/peer_parity.py [--rows 320] [--steps 120] [--scales 1 4] [--data dolly sgd]
+    .venv/bin/python bench/peer_parity.py [--rows 80] [--steps 30] [--scales 1 4] [--data sgd dolly]
 
 For each data set and scale (``--rows`` × scale conversations, ``--steps`` × scale steps):
 
 1. **The conversations.** ``dolly``: the recipe's data (recipes/smollm2.yaml), Dolly prompts answered by SmolLM2
-   itself (greedy, at most 96 tokens; regenerated once for the largest scale, smaller scales take its first rows).
+   itself (greedy, at most 96 tokens; regenerated once, ``--regen-rows`` rows; each cell takes its first rows).
    ``sgd``: SGD's training dialogues as written. Written to ``WORK/CELL/conversations.jsonl``.
 2. **This trainer.** recipes/smollm2.yaml with ``head.kind=eagle3`` on those conversations: precompute, train,
    ``export --format vllm``. Its tokens/s is Σ tokens / Σ step_s of the train log (the optimizer steps only).
@@ -55,6 +55,10 @@ DIFFERENCES = [
     "is outside them (ours: the stored top-32 + tail, mapped to the draft vocabulary)",
     "features: ours bf16 hidden states of 3 layers + the last, top-32 logits; SpecForge's own capture format",
     "batches: ours packed windows of train.batch_tokens; SpecForge rows padded per batch",
+    "gradient clipping: SpecForge 0.5 (ours: train.grad_clip 1.0)",
+    "AdamW: SpecForge betas (0.9, 0.999) (ours (0.9, 0.95)); weight decay 0 in both",
+    "schedule: SpecForge linear warm-up, then cosine to 0 (ours: cosine to 10% of lr)",
+    "initialisation: ours starts the draft lm_head from the target's rows of the draft ids; SpecForge's is nn.Linear's default",
 ]
 
 
@@ -195,17 +199,17 @@ def score(cell: Path, job: dict, plain: dict, ks: list[int]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rows", type=int, default=320, help="conversations at scale 1")
-    parser.add_argument("--steps", type=int, default=120, help="training steps at scale 1 (this trainer's)")
+    parser.add_argument("--rows", type=int, default=80, help="conversations at scale 1")
+    parser.add_argument("--steps", type=int, default=30, help="training steps at scale 1 (this trainer's)")
     parser.add_argument("--scales", type=int, nargs="+", default=[1, 4])
-    parser.add_argument("--data", nargs="+", choices=("dolly", "sgd"), default=["dolly", "sgd"])
+    parser.add_argument("--data", nargs="+", choices=("dolly", "sgd"), default=["sgd", "dolly"])
     parser.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4])
     parser.add_argument("--prompts", type=int, default=16, help="prompts per scoring set")
-    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=2, help="SpecForge's torch threads (ours: the recipe's)")
     parser.add_argument("--work", type=Path, default=REPO / "runs" / "peers")
-    parser.add_argument("--regen-rows", type=int, help="Dolly rows regenerated once (default: rows × the largest "
-                        "scale); the held-out prompts come after them")
+    parser.add_argument("--regen-rows", type=int, default=1280, help="Dolly rows regenerated once (at least rows × "
+                        "the largest scale); the held-out prompts come after them")
     args = parser.parse_args(argv)
     for python, make in ((VLLM_PYTHON, "vllm"), (PEERS_PYTHON, "peers")):
         if not python.is_file():
@@ -213,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     args.work = args.work.resolve()
     args.work.mkdir(parents=True, exist_ok=True)
     recipe = base_recipe()
-    regen_rows = max(args.regen_rows or 0, args.rows * max(args.scales))
+    regen_rows = max(args.regen_rows, args.rows * max(args.scales))
     cells, scores = {}, {}
     for data in args.data:
         sets = prompt_sets(data, args.prompts, regen_rows)
