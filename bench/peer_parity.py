@@ -27,6 +27,7 @@ that cannot be removed; ``WORK/peer_parity.json`` holds the numbers.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -58,7 +59,8 @@ DIFFERENCES = [
     "gradient clipping: SpecForge 0.5 (ours: train.grad_clip 1.0)",
     "AdamW: SpecForge betas (0.9, 0.999) (ours (0.9, 0.95)); weight decay 0 in both",
     "schedule: SpecForge linear warm-up, then cosine to 0 (ours: cosine to 10% of lr)",
-    "initialisation: ours starts the draft lm_head from the target's rows of the draft ids; SpecForge's is nn.Linear's default",
+    "initialisation: ours starts the draft lm_head from the target's rows of the draft ids; SpecForge's is "
+    "nn.Linear's default",
 ]
 
 
@@ -149,7 +151,8 @@ def train_specforge(cell: Path, ours: dict, recipe: dict, threads: int) -> dict:
     job = {"target": recipe["target"]["path"], "tokens": str(tokens), "vocab": str(vocab),
            "max_length": recipe["data"]["max_length"], "ttt_length": t["unroll"], "lr": t["lr"],
            "warmup_steps": t["warmup_steps"], "total_steps": max(1, round(ours["tokens_trained"] / (batch * mean_len))),
-           "batch_size": batch, "seed": recipe["seed"], "threads": threads, "out": str(out)}
+           "batch_size": batch, "seed": recipe["seed"], "threads": threads, "out": str(out),
+           "tokens_sha256": hashlib.sha256(tokens.read_bytes()).hexdigest()}  # the same paths may hold new rows
     done = out / "result.json"
     if not done.is_file() or json.loads(done.read_text())["job"] != job:
         (cell / "specforge-job.json").write_text(json.dumps(job, indent=1))
@@ -230,9 +233,9 @@ def main(argv: list[str] | None = None) -> int:
             cell = args.work / f"{data}-{scale}x"
             cell.mkdir(exist_ok=True)
             convs = cell / "conversations.jsonl"
-            if not convs.is_file():
-                rows = conversations(data, args.rows * scale, args.work, regen_rows)
-                convs.write_text("".join(json.dumps(c) + "\n" for c in rows))
+            text = "".join(json.dumps(c) + "\n" for c in conversations(data, args.rows * scale, args.work, regen_rows))
+            if not convs.is_file() or convs.read_text() != text:  # kept as it is, so ours stays complete
+                convs.write_text(text)
             ours = train_ours(cell, args.steps * scale)
             theirs = train_specforge(cell, ours, recipe, args.threads)
             cells[name] = {"ours": ours, "specforge": theirs}
