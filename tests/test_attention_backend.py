@@ -54,3 +54,31 @@ def test_drafters_use_the_backend_the_recipe_chose(monkeypatch, backend):
     monkeypatch.setattr(drafters, "select_backend", lambda name, *a, **k: asked.append(name) or select(name, *a, **k))
     drafters.BigramDrafter(engine, torch.zeros(engine.cfg.vocab_size, dtype=torch.long))
     assert asked == [backend]
+
+
+def test_runs_of_similar_length_bound_the_padding():
+    lengths = [40, 1500, 45, 1400, 60, 3, 900, 200, 130]
+    runs = attention._similar_lengths(list(range(len(lengths))), lengths)
+    assert sorted(b for run in runs for b in run) == list(range(len(lengths)))
+    for run in runs:
+        assert run == sorted(run)
+        assert max(lengths[b] for b in run) <= attention.RATIO * min(lengths[b] for b in run) + attention.SLACK
+    assert len(runs) < len(lengths)  # short ones share a run
+
+
+def test_large_host_tensors_come_from_the_heap_after_keep_freed_memory():
+    """A 48 MiB tensor: with glibc's defaults it is a fresh ``mmap`` (unmapped again when freed, so the next one
+    faults in every page anew); after ``keep_freed_memory`` it lies in the ``[heap]``, whose freed memory later
+    tensors reuse. Fresh processes, so no other test's settings count."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\n"
+            "from mtp_train.runtime.host_memory import keep_freed_memory\n"
+            "assert sys.argv[1] == 'default' or (keep_freed_memory() and keep_freed_memory())\n"
+            "x = torch.empty(12 * 2**20)\n"
+            "heap = [line.split()[0].split('-') for line in open('/proc/self/maps') if line.rstrip().endswith('[heap]')]\n"
+            "print(any(int(a, 16) <= x.data_ptr() < int(b, 16) for a, b in heap))\n")
+    in_heap = {how: subprocess.run([sys.executable, "-c", code, how], capture_output=True, text=True,
+                                   check=True).stdout.strip() for how in ("default", "kept")}
+    assert in_heap == {"default": "False", "kept": "True"}

@@ -115,6 +115,25 @@ def test_mixed_step_matches_transformers(family_model):
         assert_close(logits[cu[i] : cu[i + 1]], hf_logits(model, tokens)[n:])
 
 
+def test_decodes_of_far_apart_lengths_attend_in_separate_groups_and_match_transformers(family_model):
+    """Decodes with 3 to 90 cached tokens: padded together, the short ones would read 90 keys; they are split into
+    runs of similar length, each its own SDPA call, and every row still matches transformers."""
+    from mtp_train.runtime.attention import _similar_lengths
+
+    family, root, model = family_model
+    engine = Engine.from_pretrained(root, page_size=4)
+    cached = [3, 90, 5, 70, 4]
+    assert _similar_lengths(list(range(5)), [n + 1 for n in cached]) == [[0, 2, 4], [1, 3]]
+    seqs = random_sequences(model.config.vocab_size, [n + 1 for n in cached], seed=4)
+    handles = [new_sequence() for _ in seqs]
+    for h, tokens, n in zip(handles, seqs, cached):
+        forward_new(engine, [(h, tokens[:n])])
+    meta, hidden, _ = forward_new(engine, [(h, tokens[n:]) for h, tokens, n in zip(handles, seqs, cached)])
+    logits = engine.model.logits(hidden)
+    for i, (tokens, n) in enumerate(zip(seqs, cached)):
+        assert_close(logits[i : i + 1], hf_logits(model, tokens)[n:])
+
+
 def test_sliding_window_is_exercised(tmp_path):
     """The runtime reads the mistral checkpoint's window, and the window is in force within the decode test's 30
     tokens: against the same weights without a window, its logits are the same up to the window and differ at

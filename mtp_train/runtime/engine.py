@@ -27,6 +27,7 @@ from mtp_train.recipe import TargetConfig
 from mtp_train.models.transformer import Transformer
 from mtp_train.runtime.attention import select_backend
 from mtp_train.runtime.batch import BatchMetadata, build_batch
+from mtp_train.runtime.host_memory import keep_freed_memory
 from mtp_train.runtime.kv_cache import KVPool, OutOfPages, PageAllocator
 from mtp_train.runtime.sampling import SamplingParams, sample
 from mtp_train.runtime.scheduler import Scheduler
@@ -120,6 +121,8 @@ class Engine:
         self.backend_name = backend  # as the recipe asked (auto, torch, flashinfer): drafters follow it
         self.backend = select_backend(backend, self.device, self.cfg.sliding_window, dtype, latent=self.cfg.mla is not None)
         self.small_batch_layout = small_batch_layout and self.device.type == "cpu"  # drafters follow it
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.small_batch = tune(model) if self.small_batch_layout else {}
         self.max_batch_tokens = max_batch_tokens
         self.max_seqs = max_seqs
