@@ -198,6 +198,11 @@ class TrainConfig(Section):
         description="Positions the training loss counts: the masked-in (assistant) tokens, or every token, prompts "
         "included, against the target's own distribution there. Validation always counts assistant tokens.",
     )
+    mask_gate: Literal["label", "input"] = Field(
+        "label",
+        description="Which token's loss mask gates a prediction: `label`, the predicted token's own; `input`, the "
+        "token two before it, whose hidden state the first draft step reads (SpecForge's alignment).",
+    )
     engine: Literal["ddp", "deepspeed"] = Field("ddp", description="accelerate DDP, or DeepSpeed ZeRO.")
     zero_stage: Literal[1, 2] = Field(1, description="DeepSpeed ZeRO stage when `engine: deepspeed`.")
     save_every: PositiveInt = Field(200, description="Optimizer steps between resumable checkpoints.")

@@ -174,3 +174,32 @@ def test_head_loss_creates_no_tensor_off_the_batch_device():
         total.backward()
     assert total.device == batch.tokens.device and all(m.loss.device == batch.tokens.device for m in metrics)
     assert all(p.grad.device == batch.tokens.device for p in head.parameters())
+
+
+@pytest.mark.parametrize("kind", ["mtp", "eagle3"])
+def test_the_mask_gate_counts_the_label_or_the_token_two_before_it(kind):
+    """``train.mask_gate``: ``label`` counts the prediction of t_i where loss_mask[i] is set, ``input`` (SpecForge's
+    alignment) where loss_mask[i - 2] is; every unrolled step, both losses. Validation counts labels either way."""
+    from mtp_train.train.ttt import ttt_loss
+
+    head, frozen, batch = _setup("mtp", seed=4)
+    loss_fn = head_loss
+    if kind == "eagle3":
+        cfg = frozen.cfg
+        head = build_head(head_spec("eagle3", 1, cfg, "x", aux_layers=(0, 0, 0), draft_vocab=VOCAB))
+        batch.aux = torch.randn(batch.num_tokens, 3 * HIDDEN)
+        loss_fn = ttt_loss
+    counts = {}
+    for gate in (0, 2):
+        weights = LossWeights(w_hidden=1.0, w_logits=1.0, unroll=3, decay=0.8, teacher="topk", gate_offset=gate)
+        with torch.no_grad():
+            counts[gate] = [m.count for m in loss_fn(head, frozen, batch, weights)[1]]
+    for j in range(3):
+        rows, _ = _reference_index(batch.cu_seqlens, j)
+        assert counts[0][j] == int(batch.loss_mask[rows + 2 + j].sum())
+        assert counts[2][j] == int(batch.loss_mask[rows + j].sum())
+    assert counts[0] != counts[2]
+    from mtp_train.train.objective import validate
+
+    as_label = validate(head, frozen, [batch], LossWeights(1.0, 1.0, 3, 0.8, "topk", gate_offset=0))
+    assert validate(head, frozen, [batch], LossWeights(1.0, 1.0, 3, 0.8, "topk", gate_offset=2)) == as_label

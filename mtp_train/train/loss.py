@@ -5,7 +5,8 @@ target's h_i for j = 0 (on the side of the final norm the head reads), else the 
 j-1 state at position i as chained drafting feeds it back (``DraftHead.feedback_state``: its output,
 or its output after its final norm). It predicts t_{i+2+j}, so that fed-back state is matched to the
 target's hidden h_{i+1+j} (SmoothL1, on the side the head reads) and to the target's distribution of
-t_{i+2+j} (KL(target || draft)). Only positions whose label token has ``loss_mask == 1`` count;
+t_{i+2+j} (KL(target || draft)). Only positions whose label token has ``loss_mask == 1`` count (with
+``train.mask_gate: input``, those whose token two before the label has it: SpecForge's alignment);
 labels never cross a document boundary. Step j's loss is weighted by ``decay**j``.
 
 Top-K teacher: the target's top-K probabilities plus one bucket for the rest of the mass, read
@@ -46,6 +47,7 @@ class LossWeights:
     unroll: int
     decay: float
     teacher: str  # "topk" or "exact"
+    gate_offset: int = 0  # the prediction of token i counts where loss_mask[i - gate_offset] is set
 
 
 @dataclass
@@ -150,7 +152,7 @@ def head_loss(
         positions = _ragged_arange([j] * len(counts), counts, device)
         out = forward(frozen.embed(batch.tokens[rows + 1 + j]), hidden_in, positions, step_cu)
         fed_back = head.feedback_state(out)  # what the next step reads, as chained drafting feeds it
-        mask = batch.loss_mask[rows + 2 + j]
+        mask = batch.loss_mask[rows + 2 + j - weights.gate_offset]
         count = int(mask.sum())
         prev_out, prev_cu = fed_back, step_cu
         if count == 0:

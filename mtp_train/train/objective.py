@@ -7,6 +7,7 @@ all four too.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from mtp_train.features.reader import FeatureReader
 
 def loss_weights(recipe: Recipe) -> LossWeights:
     t = recipe.train
-    return LossWeights(t.w_hidden, t.w_logits, t.unroll, t.unroll_decay, t.teacher)
+    return LossWeights(t.w_hidden, t.w_logits, t.unroll, t.unroll_decay, t.teacher, 2 if t.mask_gate == "input" else 0)
 
 
 def heldout_batches(reader: FeatureReader, batch_tokens: int, aux: tuple[int, ...] = ()) -> Iterator[Batch]:
@@ -44,8 +45,10 @@ def validate(head: DraftHead, frozen: FrozenTarget, batches: Iterable[Batch], we
              forward: Callable[..., torch.Tensor] | None = None) -> dict[str, Any]:
     """Teacher-forced loss and top-1 accuracy per unrolled step over ``batches``.
 
-    ``forward`` replaces the head's own forward (the eval passes the runtime's paged implementation).
+    ``forward`` replaces the head's own forward (the eval passes the runtime's paged implementation). Every
+    predicted assistant token counts, whichever ``train.mask_gate`` trained the head.
     """
+    weights = replace(weights, gate_offset=0)  # validation counts the predicted assistant tokens, whatever trains
     was_training = head.training
     head.eval()
     sums = [[0.0, 0, 0] for _ in range(weights.unroll)]  # loss*count, correct, count

@@ -126,7 +126,7 @@ def ttt_loss(head: Eagle3Head, frozen: FrozenTarget, batch: Batch, weights: Loss
         token = torch.minimum(rows + 1 + j, ends - 1)  # past a document's end: its last token, never counted
         out = forward(frozen.embed(batch.tokens[token]), hidden, positions + j, plan, aux)
         hidden, aux = out, None  # the next step reads this output, as chained drafting feeds it back
-        counted = valid & batch.loss_mask[label.clamp(max=n - 1)]
+        counted = valid & batch.loss_mask[(label - weights.gate_offset).clamp(max=n - 1)]
         count = int(counted.sum())
         if count == 0:
             metrics.append(StepMetrics(out.new_zeros(()), 0, 0))
