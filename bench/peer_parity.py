@@ -93,8 +93,9 @@ def base_recipe() -> dict:
     return recipe
 
 
-def our_recipe(cell: Path, steps: int) -> Path:
-    """recipes/smollm2.yaml with an eagle3 head on the cell's conversations as written, no held-out rows."""
+def our_recipe(cell: Path, steps: int, overrides: dict | None = None) -> Path:
+    """recipes/smollm2.yaml with an eagle3 head on the cell's conversations as written, no held-out rows; then
+    ``overrides`` (``{"train.mask_gate": "input"}``)."""
     recipe = base_recipe()
     recipe["output_dir"] = str(cell / "ours")
     recipe["data"].update(train=str(cell / "conversations.jsonl"), format="openai", max_rows=None, heldout_rows=0,
@@ -102,14 +103,20 @@ def our_recipe(cell: Path, steps: int) -> Path:
     recipe["head"]["kind"] = "eagle3"
     recipe["eval"]["compare"] = []  # train no baseline heads beside it
     recipe["train"].update(max_steps=steps, val_every=10**6, save_every=10**6, wandb_mode="disabled")
+    for key, value in (overrides or {}).items():
+        *parents, leaf = key.split(".")
+        node = recipe
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
     path = cell / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     return path
 
 
-def train_ours(cell: Path, steps: int) -> dict:
+def train_ours(cell: Path, steps: int, overrides: dict | None = None) -> dict:
     """Precompute, train and export our head; its cost (steps, tokens, tokens/s, bytes per token)."""
-    recipe = our_recipe(cell, steps)
+    recipe = our_recipe(cell, steps, overrides)
     for stage in ("precompute", "train"):
         run([*MTP_TRAIN, stage, str(recipe)], cell / "ours.log")
     if not (cell / "ours-vllm" / "config.json").is_file():
