@@ -50,7 +50,8 @@ SGD = REPO / "data" / "sgd" / "sgd_train_sharegpt.jsonl.gz"
 DOLLY = REPO / "data" / "general" / "prompts.jsonl.gz"
 MTP_TRAIN = [sys.executable, "-m", "mtp_train.cli"]
 DIFFERENCES = [
-    "loss mask: SpecForge gates the prediction of t+2 on the mask at t (ours: on the mask of the predicted token)",
+    "loss mask: SpecForge gates the prediction of t+2 on the mask at t (ours: on the mask of the predicted token; "
+    "`train.mask_gate: input` trains ours as SpecForge does, bench/peer_ablation.py measures it)",
     "loss normalisation: SpecForge divides by batch × length, padding included (ours: a mean over masked tokens)",
     "teacher: SpecForge full-vocabulary logits restricted to the draft ids, skipping positions whose target top-1 "
     "is outside them (ours: the stored top-32 + tail, mapped to the draft vocabulary)",
