@@ -1,8 +1,8 @@
 """Attention over paged KV behind one interface: plan once per step, then write and attend per layer.
 
 ``torch`` (the CPU default) gathers the pages of sequences with as many new tokens, and a similar cached
-length, into a padded batch and calls SDPA with a causal mask offset by the cached length. ``flashinfer`` (CUDA) uses FlashInfer's
-paged prefill wrapper and ``append_paged_kv_cache``; it lives in ``flashinfer_backend.py``
+length, into a padded batch and calls SDPA with a causal mask offset by the cached length. ``flashinfer`` (CUDA)
+uses FlashInfer's paged prefill wrapper and ``append_paged_kv_cache``; it lives in ``flashinfer_backend.py``
 and is imported only when selected.
 """
 
