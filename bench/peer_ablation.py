@@ -74,18 +74,16 @@ def main(argv: list[str] | None = None) -> int:
     heads = {("ours", "seed 0"): cell / "ours-vllm", ("specforge", "seed 0"): cell / "specforge" / "vllm"}
     for seed in args.seeds:
         mine = variant_cell(work, cell, f"ours-seed{seed}")
-        pp.train_ours(mine, steps, {"seed": seed})
+        pp.train_ours(mine, steps, [f"seed={seed}"])
         heads[("ours", f"seed {seed}")] = mine / "ours-vllm"
         heads[("specforge", f"seed {seed}")] = specforge_at(work, cell, ours, seed, args.threads)
     gated = variant_cell(work, cell, "ours-gate-input")
-    pp.train_ours(gated, steps, {"train.mask_gate": "input"})
+    pp.train_ours(gated, steps, ["train.mask_gate=input"])
     heads[("ours", "mask_gate input")] = gated / "ours-vllm"
 
     recipe = pp.base_recipe()
     sets = pp.prompt_sets(args.data, args.prompts, max(args.regen_rows, args.rows * args.scale))
-    longest = max(len(ids) for prompts in sets.values() for ids in prompts)
-    job = {"target": recipe["target"]["path"], "sets": sets, "max_tokens": args.new_tokens,
-           "max_model_len": longest + args.new_tokens + args.max_k + 8}  # as peer_parity's, so its runs are reused
+    job = pp.scoring_job(recipe, sets, args.new_tokens, args.max_k)  # as peer_parity's, so its runs are reused
     plain = pp.served({**job, "head": None}, work, f"vllm-{args.data}-plain")
     results: dict = {}
     for (trainer, variant), head in heads.items():

@@ -40,6 +40,8 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import yaml  # noqa: E402
 
+from mtp_train.recipe import apply_overrides  # noqa: E402
+
 from peer_table import ACCEPTANCE_HEADER, acceptance_rows, cost_rows, goal_rows  # noqa: E402
 from vllm_check import serve  # noqa: E402
 
@@ -88,15 +90,16 @@ def run(cmd: list[str], log: Path, env: dict | None = None) -> None:
 
 
 def base_recipe() -> dict:
-    """recipes/smollm2.yaml as a dict, its target path made absolute."""
+    """recipes/smollm2.yaml as a dict, its target path made absolute and its warm-up the one the table ran with."""
     recipe = yaml.safe_load(RECIPE.read_text())
     recipe["target"]["path"] = str((RECIPE.parent / recipe["target"]["path"]).resolve())
+    recipe["train"]["warmup_steps"] = 10  # the table's runs (the recipe's one-hour run warms up over 20 since)
     return recipe
 
 
-def our_recipe(cell: Path, steps: int, overrides: dict | None = None) -> Path:
+def our_recipe(cell: Path, steps: int, overrides: list[str] | None = None) -> Path:
     """recipes/smollm2.yaml with an eagle3 head on the cell's conversations as written, no held-out rows; then
-    ``overrides`` (``{"train.mask_gate": "input"}``)."""
+    ``overrides`` as the CLI takes them (``["train.mask_gate=input"]``)."""
     recipe = base_recipe()
     recipe["output_dir"] = str(cell / "ours")
     recipe["data"].update(train=str(cell / "conversations.jsonl"), format="openai", max_rows=None, heldout_rows=0,
@@ -104,18 +107,13 @@ def our_recipe(cell: Path, steps: int, overrides: dict | None = None) -> Path:
     recipe["head"]["kind"] = "eagle3"
     recipe["eval"]["compare"] = []  # train no baseline heads beside it
     recipe["train"].update(max_steps=steps, val_every=10**6, save_every=10**6, wandb_mode="disabled")
-    for key, value in (overrides or {}).items():
-        *parents, leaf = key.split(".")
-        node = recipe
-        for part in parents:
-            node = node[part]
-        node[leaf] = value
+    recipe = apply_overrides(recipe, overrides or [])
     path = cell / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     return path
 
 
-def train_ours(cell: Path, steps: int, overrides: dict | None = None) -> dict:
+def train_ours(cell: Path, steps: int, overrides: list[str] | None = None) -> dict:
     """Precompute, train and export our head; its cost (steps, tokens, tokens/s, bytes per token)."""
     recipe = our_recipe(cell, steps, overrides)
     for stage in ("precompute", "train"):
@@ -186,6 +184,13 @@ def prompt_sets(data: str, n: int, regen_rows: int) -> dict[str, list[list[int]]
     return {name: [render_prompt(tokenizer, p.messages) for p in prompts] for name, prompts in sets.items()}
 
 
+def scoring_job(recipe: dict, sets: dict[str, list[list[int]]], new_tokens: int, max_k: int) -> dict:
+    """What every vLLM run of a data set shares: the target, the prompts, the tokens and a context that fits."""
+    longest = max(len(ids) for prompts in sets.values() for ids in prompts)
+    return {"target": recipe["target"]["path"], "sets": sets, "max_tokens": new_tokens,
+            "max_model_len": longest + new_tokens + max_k + 8}
+
+
 def served(job: dict, work: Path, name: str) -> dict:
     """One vLLM run (bench/vllm_serve.py), kept in ``work`` for reruns of the same job (head, k, prompts)."""
     done, asked = work / f"{name}.out.json", work / f"{name}.json"
@@ -232,9 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     cells, scores = {}, {}
     for data in args.data:
         sets = prompt_sets(data, args.prompts, regen_rows)
-        longest = max(len(ids) for prompts in sets.values() for ids in prompts)
-        job = {"target": recipe["target"]["path"], "sets": sets, "max_tokens": args.new_tokens,
-               "max_model_len": longest + args.new_tokens + max(args.k) + 8}
+        job = scoring_job(recipe, sets, args.new_tokens, max(args.k))
         plain = served({**job, "head": None}, args.work, f"vllm-{data}-plain")
         for scale in args.scales:
             name = f"{data} × {scale}"
