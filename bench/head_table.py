@@ -3,7 +3,8 @@
     .venv/bin/python bench/head_table.py "LABEL=runs/a/eval/report.json" "LABEL=runs/b/eval/report.json" ...
 
 For each report, its own draft and every comparison draft (``eval.compare``) at T = 0: τ at each k, the draft cost
-ratio c (one batched draft forward over one plain decode step, at k = 1), and the measured speedup (plain wall
+ratio c (one batched draft forward over one plain decode step, at the smallest k), the draft's cost per step at the
+largest k (f·c: a chain's k forwards, a block draft's 2, each c at that k), and the measured speedup (plain wall
 time over speculative wall time, same prompts, same run) at each k. LABEL names what the report varies (e.g. the
 draft vocabulary); a draft named in several reports appears once per report, and a k a report did not sweep
 shows as a dash.
@@ -27,7 +28,9 @@ def row(label: str, name: str, sweep: list[SweepPoint], ks: list[int]) -> str:
     speedups = " | ".join(f"{points[k].measured_speedup:.2f}×" if k in points and points[k].measured_speedup
                           is not None else "—" for k in ks)
     c = points[min(points)].draft_cost_ratio
-    return f"| {name} | {label} | {c:.3f} | {taus} | {speedups} |"
+    last = points[max(points)]
+    per_step = (last.draft_forwards_per_step or last.k) * last.draft_cost_ratio
+    return f"| {name} | {label} | {c:.3f} | {per_step:.3f} (k={last.k}) | {taus} | {speedups} |"
 
 
 def main() -> None:
@@ -42,8 +45,8 @@ def main() -> None:
                    [(report.mode, report.sweep)] + [(c.name, c.sweep) for c in report.comparisons]]
     ks = sorted({p.k for _, _, sweep in drafts for p in sweep if p.temperature == 0.0})
     k_cols = " | ".join(f"τ k={k}" for k in ks) + " | " + " | ".join(f"speedup k={k}" for k in ks)
-    print(f"| draft | vocabulary | c (k={ks[0]}) | {k_cols} |")
-    print("|---|---|---:|" + "---:|" * (2 * len(ks)))
+    print(f"| draft | vocabulary | c (k={ks[0]}) | draft per step, f·c | {k_cols} |")
+    print("|---|---|---:|---:|" + "---:|" * (2 * len(ks)))
     print("\n".join(row(label, name, sweep, ks) for label, name, sweep in drafts))
 
 

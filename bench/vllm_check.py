@@ -1,9 +1,9 @@
-"""A trained eagle head exported for vLLM and served by vLLM's CPU build, against this runtime, like with like.
+"""A trained eagle, eagle3 or dflash head exported for vLLM and served by vLLM's CPU build, against this runtime.
 
     make vllm                                   # once: vLLM's CPU build in its own virtualenv, .venv-vllm/
     .venv/bin/python bench/vllm_check.py RECIPE.yaml [KEY.PATH=VALUE ...] [--k 1 2 3 4] [--format speculators]
 
-For the recipe's trained ``eagle`` or ``eagle3`` head (``head.kind=eagle``, ``head.kind=eagle3``): ``mtp-train export
+For the recipe's trained ``eagle``, ``eagle3`` or ``dflash`` head (``head.kind=...``): ``mtp-train export
 --format vllm`` (or ``--format speculators``, an eagle3 head), then the
 eval's prompts (the recipe's prompt sets, rendered by its chat template, as token ids) at T = 0 with
 ``eval.max_new_tokens``:
@@ -73,7 +73,7 @@ def runtime_runs(recipe, ks: list[int]) -> tuple[list, list[list[int]], list[lis
     from mtp_train.eval.run import eval_prompts, request_traces
     from mtp_train.runtime.engine import Engine
     from mtp_train.runtime.sampling import SamplingParams
-    from mtp_train.runtime.drafters import HeadDrafter
+    from mtp_train.runtime.drafters import head_drafter
     from mtp_train.runtime.speculative import SpeculativeDecoder
     from mtp_train.train.checkpoint import load_trained_head
 
@@ -83,7 +83,7 @@ def runtime_runs(recipe, ks: list[int]) -> tuple[list, list[list[int]], list[lis
     # narrower batch would verify fewer drafts than vLLM does for the same outputs.
     engine = Engine.from_pretrained(recipe.target.path, dtype=torch.float32, device="cpu", kv_bytes=KV_BYTES)
     prompts, token_ids, _, _ = eval_prompts(recipe, engine)
-    drafter = HeadDrafter(engine, load_trained_head(recipe.head_dir(), recipe.target.path, engine.cfg))
+    drafter = head_drafter(engine, load_trained_head(recipe.head_dir(), recipe.target.path, engine.cfg))
     params = SamplingParams(temperature=0.0, max_new_tokens=recipe.eval.max_new_tokens)
     plain = [r.tokens for r in engine.generate(token_ids, params)]
     runs = {}
@@ -121,9 +121,9 @@ def check(args: argparse.Namespace) -> int:
     if not args.vllm_python.is_file():
         raise UserError(f"{args.vllm_python}: no vLLM environment; create it with `make vllm`")
     recipe = load_recipe(args.recipe, args.overrides)
-    if recipe.head.kind not in ("eagle", "eagle3"):
-        raise UserError(f"head.kind: {recipe.head.kind!r}; vLLM serves eagle and eagle3 heads of this target: add "
-                        "head.kind=eagle or head.kind=eagle3")
+    if recipe.head.kind not in ("eagle", "eagle3", "dflash"):
+        raise UserError(f"head.kind: {recipe.head.kind!r}; vLLM serves eagle, eagle3 and dflash heads of this "
+                        "target: add head.kind=eagle, eagle3 or dflash")
     if args.format == "speculators" and recipe.head.kind != "eagle3":
         raise UserError("--format speculators: holds eagle3 heads; add head.kind=eagle3")
     ks = args.k or recipe.eval.k
@@ -140,7 +140,7 @@ def check(args: argparse.Namespace) -> int:
            "max_model_len": max(len(t) for t in token_ids) + e.max_new_tokens + max(ks) + 8}
     t0 = time.perf_counter()
     theirs_plain = serve(args.vllm_python, {**job, "head": None}, work, "plain")["tokens"]
-    method = "eagle3" if recipe.head.kind == "eagle3" else "eagle"
+    method = recipe.head.kind
     theirs = {k: serve(args.vllm_python, {**job, "head": str(exported), "k": k, "method": method}, work, f"k{k}")
               for k in ks}
     print(f"vllm_check: vLLM {version}: plain + k={ks} in {time.perf_counter() - t0:.0f}s (work dir {work})",

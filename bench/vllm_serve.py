@@ -3,7 +3,7 @@
     .venv-vllm/bin/python bench/vllm_serve.py JOB.json RESULT.json
 
 JOB.json: ``{"target": DIR, "prompts": [[token ids], ...], "max_tokens": N, "max_model_len": M,
-"head": DIR or null, "k": K, "method": "eagle" or "eagle3"}``. Greedy decoding (T = 0) of the token-id prompts,
+"head": DIR or null, "k": K, "method": "eagle", "eagle3" or "dflash"}``. Greedy decoding (T = 0) of the token-id prompts,
 stopping at the target's end-of-sequence ids as vLLM reads them from its generation config; with ``head``, EAGLE
 (or EAGLE-3) speculative decoding with ``k`` draft tokens. RESULT.json: the generated token ids per prompt and,
 with a head, vLLM's speculative-decoding counters from ``llm.get_metrics()`` (drafts, draft tokens, accepted

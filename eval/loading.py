@@ -18,7 +18,7 @@ from mtp_train.heads import DraftHead
 from mtp_train.models.config import ModelConfig
 from mtp_train.models.transformer import Transformer
 from mtp_train.recipe import Recipe
-from mtp_train.runtime.drafters import Drafter, HeadDrafter
+from mtp_train.runtime.drafters import Drafter, HeadDrafter, head_drafter
 from mtp_train.runtime.engine import Engine, default_stop_ids, kv_budget
 from mtp_train.runtime.kv_cache import KVPool
 from mtp_train.train.checkpoint import load_trained_head
@@ -73,7 +73,7 @@ def load_eval(recipe: Recipe) -> tuple[Engine, Drafter, Any, dict[str, Any]]:
     from mtp_train.features.reader import FeatureReader
 
     root = recipe.head_dir()
-    drafter = HeadDrafter(engine, draft, vocab=vocab)
+    drafter = head_drafter(engine, draft, vocab)
     trainer_numbers = json.loads((root / "config.json").read_text()).get("validation", {})
     reader = FeatureReader(recipe.features_dir, target=recipe.target.path)  # its shards checked now, read at the end
 
@@ -167,7 +167,7 @@ def other_drafter(engine: Engine, name: str, loaded, vocab: torch.Tensor | None)
     """A comparison draft from what ``_load_other`` loaded; heads draft from ``vocab`` (``eval.draft_vocab``)."""
     from mtp_train.runtime.drafters import BigramDrafter
 
-    return BigramDrafter(engine, loaded) if name == "bigram" else HeadDrafter(engine, loaded, name, vocab)
+    return BigramDrafter(engine, loaded) if name == "bigram" else head_drafter(engine, loaded, vocab, name)
 
 
 def draft_vocab(recipe: Recipe, vocab_size: int) -> torch.Tensor | None:

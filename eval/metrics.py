@@ -19,7 +19,8 @@ Conventions (the definitions of ``DESIGN.md``, "Evaluation"):
 - **Mean acceptance length, vLLM's convention** (``engine_acceptance``): 1 + accepted / drafts over the steps that
   verified a draft, accepted counted before the output was cut (:class:`EngineCounts`); comparable with what vLLM
   and SGLang print, where τ is not.
-- **Expected speedup** (``expected_speedup``): τ / (v + k·c), c = mean wall time of one batched draft forward in
+- **Expected speedup** (``expected_speedup``): τ / (v + f·c), f = draft forwards per step (k for a chain, 2 for a
+  block draft: its block and its context write), c = mean wall time of one batched draft forward in
   decode steps over that of one plain decode step, v = mean wall time of a speculative step outside its draft
   forwards (the target's verify of k + 1 tokens) over that of one plain decode step (:mod:`mtp_train.eval.timing`). With
   v = 1 this is the textbook τ / (1 + k·c), which holds where verifying k + 1 tokens costs one decode step.
@@ -222,9 +223,10 @@ class LosslessVerdict:
 
 
 def sweep_point(k: int, temperature: float, traces: list[RequestTrace], timing: PointTiming,
-                verdict: LosslessVerdict = LosslessVerdict()) -> SweepPoint:
+                verdict: LosslessVerdict = LosslessVerdict(), forwards: int | None = None) -> SweepPoint:
     """The report's record of one speculative run at (k, temperature): its metrics overall and by group, what
-    its timing found and, at T = 0, what the lossless check found."""
+    its timing found and, at T = 0, what the lossless check found. ``forwards``: the draft's forwards per step when
+    they are not k (a block draft's 2)."""
     tau = pooled_tau(traces)
     cond, uncond = alpha(traces, k)
     counts = engine_counts(traces, k)
@@ -233,7 +235,8 @@ def sweep_point(k: int, temperature: float, traces: list[RequestTrace], timing: 
         k=k, temperature=temperature, tau=round(tau, 4), alpha=[round(a, 4) for a in cond],
         alpha_unconditional=[round(a, 4) for a in uncond], draft_cost_ratio=round(c, 4),
         verify_cost_ratio=None if v is None else round(v, 4),
-        expected_speedup=round(expected_speedup(tau, k, c, v or 1.0), 4),
+        expected_speedup=round(expected_speedup(tau, k if forwards is None else forwards, c, v or 1.0), 4),
+        draft_forwards_per_step=forwards,
         measured_speedup=round(timing.measured_speedup, 4),
         distinct2=round(distinct2(t.output for t in traces), 4), lossless=verdict.lossless, num_prompts=len(traces),
         num_steps=sum(len(t.accepted) for t in traces), generated_tokens=sum(len(t.output) for t in traces),

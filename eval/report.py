@@ -6,7 +6,8 @@ Conventions (``../shared/DESIGN.md``, "Evaluation: definitions used in every rep
   of all requests; plain decoding has τ = 1.
 - **α_j** is the rate at which draft position j is accepted given that positions 1..j-1 were accepted;
   ``alpha_unconditional`` is the plain per-position rate.
-- **Expected speedup** is τ / (v + k·c), with c the mean wall time of one batched draft forward in decode steps
+- **Expected speedup** is τ / (v + f·c) (f = k draft forwards per step for a chain, 2 for a block draft), with c
+  the mean wall time of one batched draft forward in decode steps
   over that of one plain decode step (``draft_cost_ratio``) and v the mean wall time of a speculative step outside
   its draft (the verify of k + 1 tokens) over that of one plain decode step (``verify_cost_ratio``; v = 1 in
   reports that predate it). Their terms are in ``SweepPoint.cost``.
@@ -122,6 +123,9 @@ class SweepPoint(BaseModel):
     by_length: dict[str, Group]
     by_prompt_set: dict[str, Group] = Field(default_factory=dict)
     cost: DraftCost | None = None
+    draft_forwards_per_step: int | None = None
+    """f, the draft forwards a speculative step costs: k for a chain (None in reports that predate it), 2 for a block
+    draft (DFlash: its block and its context write, whatever k)."""
     greedy_violations: int | None = None
     """At T = 0: emitted tokens that differ from the target's argmax in the verify forward that decided them."""
     divergences: int | None = None

@@ -42,7 +42,8 @@ def cost_blocks(r: Report) -> list[tuple]:
                   "one plain decode step (a step in which every sequence decodes one token; prefill and mixed steps "
                   "are left out). v = mean wall time of a speculative decode step outside its draft forwards (the "
                   "target's verify of k + 1 tokens per sequence, acceptance, bookkeeping) / the same plain decode "
-                  "step. The expected speedup is τ / (v + k·c). All after a warm-up, the device synchronized "
+                  "step. The expected speedup is τ / (v + f·c), f = k draft forwards per step for a chain, 2 for a "
+                  "block draft. All after a warm-up, the device synchronized "
                   "around every timed region."),
             ("table", ["draft", "k", "T", "draft forwards", "ms / draft forward", "plain decode steps",
                        "ms / decode step", "c", "speculative steps", "ms / verify", "v"], rows)]
@@ -60,7 +61,7 @@ def speedup_note(points: list) -> str | None:
         return None
     best = max(measured, key=lambda p: p.measured_speedup)
     v = best.verify_cost_ratio
-    drafts = best.k * best.draft_cost_ratio
+    drafts = (best.draft_forwards_per_step or best.k) * best.draft_cost_ratio
     head = (f"Every measured speedup is below 1× (best {best.measured_speedup:.2f}× at k={best.k}, "
             f"T={best.temperature:g}: τ {best.tau:.2f}, draft cost c {best.draft_cost_ratio:.2f}, verify cost v "
             + ("not recorded" if v is None else f"{v:.2f}") + f", expected {best.expected_speedup:.2f}×). ")

@@ -85,6 +85,8 @@ def runtime_validation(engine: Engine, drafter: HeadDrafter, reader: FeatureRead
             pass
         return {}
     # An eagle3 head's later steps attend to earlier steps' keys at their own row (training-time test), which no
-    # paged step plan expresses; it is validated over the runtime's target states with its training attention.
-    forward = None if drafter.head.spec.kind == "eagle3" else paged_forward(drafter)
+    # paged step plan expresses; a dflash head's blocks see context before their anchors only, which a paged step
+    # holds for one anchor at a time (tests/test_dflash.py checks that one against training blocks). Both are
+    # validated over the runtime's target states with their training attention.
+    forward = None if drafter.head.spec.kind in ("eagle3", "dflash") else paged_forward(drafter)
     return validate(drafter.head, runtime_frozen(engine), batches, weights, forward=forward)

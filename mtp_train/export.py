@@ -17,6 +17,9 @@ Formats (``../shared/EXPORT.md``):
   Mistral, Qwen2, Qwen3) is refused with a line that says what serves it (this runtime), rather than writing files
   that would load wrongly.
 
+- ``vllm``, a ``dflash`` head: vLLM's ``DFlashDraftModel`` (``heads/dflash_layout.py``), with the trained mask vector
+  in ``mask_embedding.pt``.
+
 The export refuses, naming the difference, a head whose conventions (:mod:`mtp_train.heads.conventions`), target
 fingerprint or vocabulary differ from what the format's engine will run it with. It writes into a temporary
 directory and renames it into place, so a refused or failed export leaves nothing behind. The directory also holds
@@ -28,6 +31,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
 from safetensors.torch import save_file
 
 from mtp_train.eval.report import FILES, load_report
@@ -35,6 +39,7 @@ from mtp_train.errors import UserError
 from mtp_train.heads.conventions import ENGINE_NAMES, LOADER_FAMILIES, choices, served_by
 from mtp_train.heads.deepseek_layout import SHARED_COPIES, to_deepseek
 from mtp_train.heads.eagle3 import default_aux_layers
+from mtp_train.heads.dflash_layout import MASK_FILE, dflash_config, to_dflash
 from mtp_train.heads.eagle3_layout import eagle3_config, to_eagle3
 from mtp_train.heads.frozen import FrozenTarget
 from mtp_train.io import fresh_dir, replace_dir, write_atomic, write_json_atomic
@@ -59,6 +64,9 @@ def export_head(recipe: Recipe, fmt: str, out: Path | None = None) -> Path:
         raise UserError(f"{root}: no trained {recipe.head.kind} head; run `mtp-train train` first")
     head = load_trained_head(root, recipe.target.path, target)  # another target, hidden size or vocabulary: refused
     spec = head.spec
+    if spec.kind == "dflash" and fmt != "vllm":
+        raise UserError(f"--format {fmt}: {root} is a dflash head; it exports for vLLM's DFlash loader "
+                        "(--format vllm)")
     if fmt == "speculators" and spec.kind != "eagle3":
         raise UserError(f"--format speculators: {root} is an {spec.kind} head; the speculators format holds eagle3 "
                         "heads here (train head.kind=eagle3), or export this one with --format vllm or sglang")
@@ -74,6 +82,9 @@ def export_head(recipe: Recipe, fmt: str, out: Path | None = None) -> Path:
         frozen = FrozenTarget.load(recipe.target.path)
         for name, weight in zip(SHARED_COPIES, (frozen.embed_weight, frozen.lm_head_weight)):
             tensors[f"model.layers.{target.num_layers}.{name}"] = weight.clone()
+    elif spec.kind == "dflash":
+        tensors, mask = to_dflash(tensors)
+        torch.save({"embedding": mask.clone(), "mask_token_id": spec.mask_token_id}, tmp / MASK_FILE)
     elif fmt == "sglang":
         tensors["fc.bias"] = tensors["fc.weight"].new_zeros(tensors["fc.weight"].shape[0])
     save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
@@ -110,11 +121,13 @@ def _config(target_config: dict, spec, fmt: str, trained: dict, target_path: str
     if spec.kind == "eagle3":
         config = eagle3_config(config, target_path, list(spec.aux_layers), _default_aux(spec.target),
                                spec.draft_vocab, fmt)
+    elif spec.kind == "dflash":
+        config = dflash_config(spec)
     elif spec.kind == "mtp":  # the target's config, its layers kept: the MTP layer is found at index num_hidden_layers
         config.update(num_nextn_predict_layers=1, torch_dtype="float32")
     else:
         config.update(architectures=[ARCHITECTURES[fmt]], num_hidden_layers=spec.num_layers, torch_dtype="float32")
-    if spec.kind != "eagle3":
+    if spec.kind not in ("eagle3", "dflash"):
         config.pop("dtype", None)
     if fmt == "sglang" and spec.kind == "eagle":
         config["bias"] = True  # SGLang's fc bias flag; the exported bias is zero
@@ -159,9 +172,9 @@ def model_card(recipe: Recipe, spec, fmt: str, trained: dict) -> str:
         for p in sorted((p for p in report.sweep if p.temperature == 0), key=lambda p: p.k):
             mal = "—" if p.engine_acceptance is None else f"{p.engine_acceptance.mean_acceptance_length:.3f}"
             lines.append(f"| {p.k} | {p.tau:.3f} | {mal} |")
-    method = {"mtp": "mtp", "eagle": "eagle", "eagle3": "eagle3"}[spec.kind]
-    vllm = ["```python", f'LLM(model="{recipe.target.path}", speculative_config={{"method": "{method}", '
-                         '"model": "THIS_DIR", "num_speculative_tokens": 3})', "```"]
+    k = spec.block_size - 1 if spec.kind == "dflash" else 3
+    vllm = ["```python", f'LLM(model="{recipe.target.path}", speculative_config={{"method": "{spec.kind}", '
+                         f'"model": "THIS_DIR", "num_speculative_tokens": {k}}})', "```"]
     serve = {"vllm": vllm, "speculators": vllm,
              "sglang": ["```", f"python -m sglang.launch_server --model-path {recipe.target.path} "
                                f"--speculative-algorithm {'EAGLE3' if spec.kind == 'eagle3' else 'EAGLE'} "

@@ -41,10 +41,11 @@ def _plan_spec(recipe: Recipe, cfg: ModelConfig, kind: str | None = None):
     """The head of ``kind`` (the recipe's by default) the trainer would build for ``recipe`` (an eagle3 head's aux
     layers and draft vocabulary included)."""
     kind = kind or recipe.head.kind
-    eagle3 = kind == "eagle3"
-    return head_spec(kind, recipe.head.num_layers, cfg, "plan", recipe.head.convention,
-                     tuple(aux_layers_for(recipe.head.aux_layers, cfg)) if eagle3 else (),
-                     draft_vocab_size(recipe.head.draft_vocab, cfg.vocab_size) if eagle3 else 0)
+    h, eagle3 = recipe.head, kind == "eagle3"
+    return head_spec(kind, h.num_layers, cfg, "plan", h.convention,
+                     tuple(aux_layers_for(h.aux_layers, cfg)) if kind in ("eagle3", "dflash") else (),
+                     draft_vocab_size(h.draft_vocab, cfg.vocab_size) if eagle3 else 0, h.block_size,
+                     cfg.vocab_size - 1 if h.mask_token_id is None else h.mask_token_id)
 
 
 def head_activation_bytes_per_token(recipe: Recipe, cfg: ModelConfig) -> int:
@@ -83,11 +84,12 @@ def attention_kernel(recipe: Recipe, cfg: ModelConfig, kind: str | None = None) 
     dtype is half (``train.mixed_precision`` bf16 or fp16, or ``auto``, which is bf16 on CUDA), the attention has
     no explicit mask and the head dimension is at most 256; else ``math``. That excludes an MLA head (a 576-wide
     key), an eagle3 head (training-time test passes a mask; the memory-efficient kernel, which takes one, has no
-    grouped-query attention) and fp32 training. Where torch does pick the memory-efficient kernel (a mask without
-    GQA), it keeps less than the plan counts."""
+    grouped-query attention), a dflash head (its block attention is written out) and fp32 training. Where torch does
+    pick the memory-efficient kernel (a mask without GQA), it keeps less than the plan counts.
+    """
     kind = kind or recipe.head.kind
     half = recipe.train.mixed_precision in ("auto", "bf16", "fp16")
-    if cfg.mla is not None or kind == "eagle3" or not half or cfg.head_dim > 256:
+    if cfg.mla is not None or kind in ("eagle3", "dflash") or not half or cfg.head_dim > 256:
         return "math"
     return "flash"
 
@@ -104,16 +106,18 @@ def head_saved_bytes(recipe: Recipe, cfg: ModelConfig, cu_seqlens: list[int], st
     from unittest import mock
 
     from mtp_train.heads.attention import DocumentCausalAttention
+    from mtp_train.train.blocks import BlockAttention
     from mtp_train.train.ttt import TTTAttention
 
     tokens = cu_seqlens[-1]
     spec = _plan_spec(recipe, cfg)
-    eagle3 = spec.kind == "eagle3"
+    eagle3, dflash = spec.kind == "eagle3", spec.kind == "dflash"
     with torch.device(device):
         head = build_head(spec)
         embeds, hidden = torch.randn(tokens, cfg.hidden_size), torch.randn(tokens, cfg.hidden_size)
-        aux = torch.randn(tokens, len(spec.aux_layers) * cfg.hidden_size) if eagle3 else None
+        aux = torch.randn(tokens, len(spec.aux_layers) * cfg.hidden_size) if eagle3 or dflash else None
         positions = torch.cat([torch.arange(e - s) for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:])])
+        anchors = [torch.arange(e - s - 1) for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:])]  # every one
     for module in head.modules():  # experts in a loop on every device: torch's grouped matmul takes bf16 weights
         if hasattr(module, "no_grouped_mm"):  # only (meta and CUDA), and the head's master weights are fp32
             module.no_grouped_mm = True
@@ -128,6 +132,12 @@ def head_saved_bytes(recipe: Recipe, cfg: ModelConfig, cu_seqlens: list[int], st
     with routing, sdpa_kernel(SDPBackend.MATH), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         plan = TTTAttention(cu_seqlens) if eagle3 else None
         for step in range(steps):
+            if dflash:  # one forward drafts the whole block: every step at once
+                firsts = embeds[: sum(a.numel() for a in anchors)]
+                blocks = torch.cat(anchors)[:, None] + torch.arange(spec.block_size, device=device)
+                out = hidden = head(firsts, aux, positions, blocks.view(-1),
+                                    BlockAttention(cu_seqlens, anchors, spec.block_size))
+                break
             if eagle3:
                 out = head(embeds, hidden if step else None, positions + step, plan, None if step else aux)
                 hidden = out
@@ -158,8 +168,10 @@ def head_activation_terms(recipe: Recipe, cfg: ModelConfig) -> tuple[int, int]:
     if attention_kernel(recipe, cfg) == "flash":
         return steps * head_activation_bytes_per_token(recipe, cfg), 0
     n = 512
-    # eagle3's steps differ (its keys and mask grow): all are measured. Other heads' steps are alike: one, times unroll.
-    measured, times = (steps, 1) if recipe.head.kind == "eagle3" else (1, steps)
+    # eagle3's steps differ (its keys and mask grow): all are measured. dflash's block is one forward. Other heads'
+    # steps are alike: one, times unroll.
+    kind = recipe.head.kind
+    measured, times = (steps, 1) if kind == "eagle3" else (1, 1) if kind == "dflash" else (1, steps)
     one = head_saved_bytes(recipe, cfg, [0, n], measured)
     two = head_saved_bytes(recipe, cfg, [0, 2 * n], measured)
     quadratic = (two - 2 * one) // (2 * n * n)
@@ -178,6 +190,8 @@ def loss_copy_bytes(recipe: Recipe, cfg: ModelConfig) -> int:
     tr = recipe.train
     hidden = cfg.hidden_size * 4
     teacher = hidden if tr.teacher == "exact" else recipe.precompute.topk * 12 + 4
+    if recipe.head.kind == "dflash":  # per block position: the gathered output, its norm, the teacher's rows
+        return (recipe.head.block_size - 1) * tr.batch_tokens * (3 * hidden + teacher + 24)
     if recipe.head.kind == "eagle3":
         row, whole = 2 * hidden + 2 * teacher + 24, 0
     else:

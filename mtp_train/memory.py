@@ -243,7 +243,7 @@ def memory_plan(cfg: ModelConfig, recipe: Recipe, gpu_bytes: int = H100_BYTES) -
     zero = TRAIN_RANKS if tr.engine == "deepspeed" else 1
     grads = head_params * 4 // (zero if tr.engine == "deepspeed" and tr.zero_stage == 2 else 1)
     frozen = frozen_bytes(cfg)
-    features = batch_bytes(recipe, cfg, 4 if recipe.head.kind == "eagle3" else 1)  # the last layer (+ Batch.aux)
+    features = batch_bytes(recipe, cfg, 4 if recipe.head.kind in ("eagle3", "dflash") else 1)  # last layer (+ aux)
     activations = train_activation_bytes(recipe, cfg)
     train = StagePlan("train", {"frozen": frozen, "head+grads+AdamW": head_params * 4 + grads + head_params * 8 // zero,
                                 "features": features, "activations": activations,

@@ -43,7 +43,8 @@ def head_kinds(recipe: Recipe) -> list[str]:
     """``head.kind`` first (unless the eval's draft is the target's own MTP layer), then the head kinds that
     ``eval.compare`` asks to compare against."""
     first = [recipe.head.kind] if recipe.eval.draft == "head" else []
-    return first + [k for k in dict.fromkeys(recipe.eval.compare) if k in ("mtp", "eagle", "eagle3") and k not in first]
+    heads = ("mtp", "eagle", "eagle3", "dflash")
+    return first + [k for k in dict.fromkeys(recipe.eval.compare) if k in heads and k not in first]
 
 
 def _eval(recipe: Recipe, baseline: Path | None = None, **options) -> None:

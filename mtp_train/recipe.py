@@ -142,14 +142,24 @@ class PrecomputeConfig(Section):
 class HeadConfig(Section):
     """The draft head to train."""
 
-    kind: Literal["mtp", "eagle", "eagle3"] = Field(
+    kind: Literal["mtp", "eagle", "eagle3", "dflash"] = Field(
         "mtp", description="`mtp`: DeepSeek-V3 layout with the RMSNorms restored. `eagle`: the EAGLE-1 baseline. "
         "`eagle3`: EAGLE-3, over three target layers, with a draft vocabulary of its own, trained with training-time "
-        "test (`train.unroll` steps).",
+        "test (`train.unroll` steps). `dflash`: a DFlash block drafter over the same layers, drafting k tokens in one "
+        "forward (`head.block_size`).",
     )
     num_layers: PositiveInt = Field(1, description="Decoder layers in the head (an `eagle3` head has 1).")
+    block_size: int = Field(
+        9, ge=2, description="`dflash`: positions of a training block, its first token and `block_size - 1` masks; it "
+        "drafts up to `block_size - 1` tokens (the runtime and vLLM run a block of `1 + k` at k drafts).",
+    )
+    mask_token_id: NonNegativeInt | None = Field(
+        None, description="`dflash`: the token id an engine writes in the mask positions (the head trains a mask "
+        "vector of its own, exported as `mask_embedding.pt`, started from this id's embedding). Null: the last id.",
+    )
     aux_layers: list[int] | None = Field(
-        None, description="`eagle3`: the three target layers it reads, as vLLM and SGLang number them (id k: the input "
+        None, description="`eagle3`, `dflash`: the three target layers it reads, as vLLM and SGLang number them (id k: "
+        "the input "
         "of decoder block k, i.e. the output of layer k - 1; L: the last layer's output). Null: the engines' default "
         "`[2, L//2, L-3]`. Precompute stores these layers.",
     )
@@ -201,7 +211,12 @@ class TrainConfig(Section):
     mask_gate: Literal["label", "input"] = Field(
         "label",
         description="Which token's loss mask gates a prediction: `label`, the predicted token's own; `input`, the "
-        "token two before it, whose hidden state the first draft step reads (SpecForge's alignment).",
+        "token two before it, whose hidden state the first draft step reads (SpecForge's alignment). Chain heads "
+        "only: a `dflash` block's predictions are gated by their own labels.",
+    )
+    anchors: PositiveInt | None = Field(
+        None, description="`dflash`: blocks trained per sequence, at anchors drawn uniformly from the positions whose "
+        "next token counts. Null: a block at every such position.",
     )
     engine: Literal["ddp", "deepspeed"] = Field("ddp", description="accelerate DDP, or DeepSpeed ZeRO.")
     zero_stage: Literal[1, 2] = Field(1, description="DeepSpeed ZeRO stage when `engine: deepspeed`.")
@@ -245,7 +260,7 @@ class EvalConfig(Section):
         "their lm_head is those N rows of the frozen one, so a draft step reads N rows instead of the vocabulary's "
         "(verification, and so the output, is unchanged). Null: the full vocabulary.",
     )
-    compare: list[Literal["mtp", "eagle", "eagle3", "bigram", "target_mtp"]] = Field(
+    compare: list[Literal["mtp", "eagle", "eagle3", "dflash", "bigram", "target_mtp"]] = Field(
         [], description="Other drafts decoded on the same prompts for comparison: head kinds (trained by the "
         "`train` stage beside `head.kind`), `bigram`, each token's most frequent successor in the features, and "
         "`target_mtp`, the target checkpoint's own MTP layer.",

@@ -119,6 +119,13 @@ def eagle3_run(tmp_path_factory) -> Path:
                      3, [1, 2, 3])
 
 
+@pytest.fixture(scope="session")
+def dflash_run(tmp_path_factory) -> Path:
+    """A ``dflash`` head on the same kind of run: aux layers [1, 2, 3], blocks of 5 (k up to 4) at every anchor."""
+    return _tiny_run(tmp_path_factory.mktemp("dflash"), {"kind": "dflash", "aux_layers": [1, 2, 3], "block_size": 5},
+                     1, [1, 2, 4])
+
+
 def hf_tokenizer(root: Path):
     """The tokenizer of the HF checkpoint at ``root``, offline."""
     from transformers import AutoTokenizer

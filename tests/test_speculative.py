@@ -13,7 +13,7 @@ from hf_models import save_random_model
 from mtp_train.models.checkpoint import load_transformer
 from mtp_train.runtime.engine import Engine
 from mtp_train.runtime.sampling import SamplingParams
-from mtp_train.runtime.drafters import DraftModelDrafter, HeadDrafter
+from mtp_train.runtime.drafters import DraftModelDrafter, HeadDrafter, head_drafter
 from mtp_train.runtime.speculative import SpeculativeDecoder
 from mtp_train.train.checkpoint import load_head
 
@@ -119,16 +119,20 @@ def test_a_head_drafter_is_named_after_its_head_kind(kind):
     assert HeadDrafter(engine, _random_head(engine, kind)).name == kind
 
 
-@pytest.mark.parametrize("draft", ["draft_target", "eagle3"])
-def test_sampling_distribution_equals_the_target(random_draft, eagle3_run, draft):
+@pytest.mark.parametrize("draft", ["draft_target", "eagle3", "dflash"])
+def test_sampling_distribution_equals_the_target(random_draft, request, draft):
     """At temperature 1, the second and third generated tokens (both speculative) follow the target's
     distribution: chi-square of speculative against plain sampling over 600 seeds each. The eagle3 head drafts
-    from a reduced vocabulary, so the residual distribution also covers the ids it cannot draft."""
+    from a reduced vocabulary, so the residual distribution also covers the ids it cannot draft; the dflash head
+    draws its block's drafts independently, each from its own position's distribution."""
     prompt = [0, 5, 300, 301, 302, 6]
     params = [SamplingParams(temperature=1.0, max_new_tokens=3, stop_token_ids=(), seed=s) for s in range(600)]
     plain = Engine.from_pretrained(TINY_TARGET, max_seqs=64).generate([prompt] * 600, params)
-    make = ((lambda e: DraftModelDrafter(e, load_transformer(random_draft))) if draft == "draft_target" else
-            (lambda e: HeadDrafter(e, load_head(eagle3_run.parent / "run" / "heads" / "eagle3"))))
+    if draft == "draft_target":
+        make = lambda e: DraftModelDrafter(e, load_transformer(random_draft))  # noqa: E731
+    else:
+        run = request.getfixturevalue(f"{draft}_run")
+        make = lambda e: head_drafter(e, load_head(run.parent / "run" / "heads" / draft))  # noqa: E731
     spec = decode([prompt] * 600, make, 2, 64, params=params)
     for position in (1, 2):
         a = Counter(r.tokens[position] for r in plain)

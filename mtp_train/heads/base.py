@@ -49,8 +49,10 @@ class HeadSpec:
     feedback: str = "output"
     convention: str = "native"
     moe: bool = False  # the decoder layer has the target's experts (DeepSeek: the layer type at index L, as its MTP)
-    aux_layers: tuple[int, ...] = ()  # eagle3: the target layers whose inputs it reads (EXPORT.md 3.4's numbering)
+    aux_layers: tuple[int, ...] = ()  # eagle3, dflash: the target layers whose inputs it reads (EXPORT.md 3.4)
     draft_vocab: int = 0  # eagle3: rows of its own lm_head (0: the head uses the frozen lm_head)
+    block_size: int = 0  # dflash: positions of a trained block, its first token and block_size - 1 masks
+    mask_token_id: int = -1  # dflash: the id an engine writes in the mask positions (the head's own mask vector)
 
     @property
     def choices(self) -> Choices:
@@ -58,6 +60,9 @@ class HeadSpec:
 
     def describe(self) -> str:
         """What the head reads, feeds back and drafts from, in words (reports and model cards)."""
+        if self.kind == "dflash":
+            return (f"reads fc of the target's states entering layers {list(self.aux_layers)} as context, drafts up "
+                    f"to {self.block_size - 1} tokens in one non-causal forward over a block")
         if self.kind != "eagle3":
             return self.choices.describe()
         return (f"reads fc of the target's states entering layers {list(self.aux_layers)}, feeds back its decoder "
@@ -72,7 +77,8 @@ class HeadSpec:
             spec = cls(data["kind"], int(data["num_layers"]), ModelConfig.from_json(data["target"]), data["target_fingerprint"],
                        data["hidden_input"], bool(data["zero_embed_at_position0"]), data.get("feedback", "output"),
                        data.get("convention", "native"), bool(data.get("moe", False)),
-                       tuple(int(i) for i in data.get("aux_layers", ())), int(data.get("draft_vocab", 0)))
+                       tuple(int(i) for i in data.get("aux_layers", ())), int(data.get("draft_vocab", 0)),
+                       int(data.get("block_size", 0)), int(data.get("mask_token_id", -1)))
         except KeyError as e:
             raise UserError(f"{source}: not a head config (no {e.args[0]!r} field)") from None
         except (TypeError, ValueError) as e:
@@ -95,9 +101,13 @@ class DraftHead(nn.Module):
     def __init__(self, spec: HeadSpec) -> None:
         super().__init__()
         self.spec = spec
-        cfg = spec.target
+        cfg = self.layer_config()
         self.layers = nn.ModuleList(DecoderLayer(cfg, TensorParallel(), spec.moe) for _ in range(spec.num_layers))
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope)
+
+    def layer_config(self) -> ModelConfig:
+        """The config the head's decoder layers are built from: the target's, unless a kind's layer differs."""
+        return self.spec.target
 
     def fuse(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """``[T, H]`` embeddings of t_{i+1} and hidden inputs h_i -> the decoder's input ``[T, H]``."""
@@ -131,17 +141,20 @@ class DraftHead(nn.Module):
 
 
 def head_spec(kind: str, num_layers: int, target: ModelConfig, fingerprint: str,
-              convention: str = "native", aux_layers: tuple[int, ...] = (), draft_vocab: int = 0) -> HeadSpec:
-    """``aux_layers`` and ``draft_vocab``: an eagle3 head's (ignored by the other kinds)."""
+              convention: str = "native", aux_layers: tuple[int, ...] = (), draft_vocab: int = 0,
+              block_size: int = 0, mask_token_id: int = -1) -> HeadSpec:
+    """``aux_layers``: an eagle3 or dflash head's; ``draft_vocab`` an eagle3 head's; ``block_size`` and
+    ``mask_token_id`` a dflash head's (each ignored by the other kinds)."""
     if kind not in HEADS:
         raise UserError(f"head.kind: {kind!r} is not a head; choose one of {sorted(HEADS)}")
     c = choices(kind, convention)
-    eagle3 = kind == "eagle3"
+    eagle3, dflash = kind == "eagle3", kind == "dflash"
     # A DeepSeek head's layer is of the type the target would have at index L (its own MTP layer's): with experts
     # past the dense first layers, so that the DeepSeek layout's loaders build it as trained.
     return HeadSpec(kind, num_layers, target, fingerprint, c.hidden_input, c.zero_embed_at_position0, c.feedback,
-                    convention, target.is_moe_layer(target.num_layers) and not eagle3,
-                    tuple(aux_layers) if eagle3 else (), draft_vocab if eagle3 else 0)
+                    convention, target.is_moe_layer(target.num_layers) and not (eagle3 or dflash),
+                    tuple(aux_layers) if eagle3 or dflash else (), draft_vocab if eagle3 else 0,
+                    block_size if dflash else 0, mask_token_id if dflash else -1)
 
 
 def build_head(spec: HeadSpec) -> DraftHead:

@@ -15,6 +15,7 @@
 | mtp | sglang | post_norm | head_norm | no | SGLang's DeepSeek NextN (DeepSeek-V3-family targets), this runtime |
 | eagle | any | post_norm | output | no | vLLM and SGLang EAGLE (Llama targets), this runtime |
 | eagle3 | any | pre_norm (three layers) | output | no | vLLM and SGLang EAGLE-3 (Llama targets), this runtime |
+| dflash | any | pre_norm (aux layers, context) | (no chain) | no | vLLM DFlash (Llama, Qwen3 targets), this runtime |
 
 The trainer, the runtime's drafting and the eval read the choices from the head's ``config.json``, never from
 the convention's name, so a head is always run as it was trained.
@@ -49,6 +50,8 @@ _TABLE: dict[tuple[str, str], Choices] = {
     **{("eagle", c): Choices("post_norm", "output", False) for c in CONVENTIONS},
     # eagle3 reads three layers' pre-norm residual states (not the last layer's hidden) and feeds back its output
     **{("eagle3", c): Choices("pre_norm", "output", False) for c in CONVENTIONS},
+    # dflash reads aux layers' pre-norm states as context; it feeds nothing back (one block forward, no chain)
+    **{("dflash", c): Choices("pre_norm", "output", False) for c in CONVENTIONS},
 }
 
 ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "speculators": "speculators (vLLM)"}
@@ -63,7 +66,7 @@ def choices(kind: str, convention: str) -> Choices:
 # whose export has been served and checked in vLLM (Mistral's sliding window and Qwen's biases and norms are not what
 # vLLM's EagleLlamaForCausalLM builds); DeepSeek-V3 only for mtp: vLLM and SGLang turn only DeepSeek-V3-family
 # configs into their MTP model (EXPORT.md 1.1), which reads the DeepSeek layout.
-LOADER_FAMILIES = {"eagle": ("llama",), "eagle3": ("llama",), "mtp": ("deepseek_v3",)}
+LOADER_FAMILIES = {"eagle": ("llama",), "eagle3": ("llama",), "mtp": ("deepseek_v3",), "dflash": ("llama", "qwen3")}
 
 
 def served_by(kind: str, head: Choices, target_family: str) -> list[str]:
@@ -71,7 +74,8 @@ def served_by(kind: str, head: Choices, target_family: str) -> list[str]:
     kind equals the head's choices and the engine has a loader for the kind on this target family."""
     if target_family not in LOADER_FAMILIES[kind]:
         return []
-    return [engine for engine in ("vllm", "sglang") if choices(kind, engine) == head]
+    engines = ("vllm",) if kind == "dflash" else ("vllm", "sglang")  # (SGLang's DFlash is not exported for here)
+    return [engine for engine in engines if choices(kind, engine) == head]
 
 
 def validity_line(kind: str, head: Choices, target_family: str) -> str:

@@ -23,7 +23,11 @@ from mtp_train.runtime.device import to_device
 class AttentionBackend(Protocol):
     """Plans each step's attention; the plan (``models.transformer.AttentionPlan``) serves every layer."""
 
-    def plan(self, meta: BatchMetadata, num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionPlan: ...
+    def plan(self, meta: BatchMetadata, num_heads: int, num_kv_heads: int, head_dim: int, causal: bool = True
+             ) -> AttentionPlan:
+        """``causal=False``: each new token sees every key of its sequence up to the sequence's last new one
+        (a DFlash block)."""
+        ...
 
 
 class _Group:
@@ -33,11 +37,12 @@ class _Group:
     (a step of decodes alone), else a ``[G*Q]`` index; ``kv_pages [G, P]`` the cache pages of their keys, in order
     (``P`` pages hold the group's longest; page 0 stands in past a sequence's last page), so keys are read a whole
     page at a time; ``mask [G, 1, Q, P*page_size]`` lets query i of sequence g (absolute position
-    ``kv_len - Q + i``) see keys at positions ``<= its own`` and, with a sliding window, ``> its own - window``.
+    ``kv_len - Q + i``) see keys at positions ``<= its own`` and, with a sliding window, ``> its own - window``;
+    not ``causal``, every query sees every key up to ``kv_len``.
     """
 
     def __init__(self, meta: BatchMetadata, seqs: list[int], q_len: int, sliding_window: int | None,
-                 bounds: list[int], host_kv_lens: list[int]) -> None:
+                 bounds: list[int], host_kv_lens: list[int], causal: bool = True) -> None:
         dev = meta.tokens.device
         index = to_device(torch.tensor(seqs), dev)
         kv_lens = meta.kv_lens.long()[index]
@@ -58,6 +63,8 @@ class _Group:
         key_pos = torch.arange(num_pages * size, device=dev)
         key_valid = key_pos[None, :] < kv_lens[:, None]
         q_pos = kv_lens[:, None] - q_len + torch.arange(q_len, device=dev)[None, :]  # [G, Q]
+        if not causal:
+            q_pos = (kv_lens[:, None] - 1).expand(-1, q_len)
         mask = key_valid[:, None, :] & (key_pos[None, None, :] <= q_pos[:, :, None])
         if sliding_window is not None:
             mask &= key_pos[None, None, :] > q_pos[:, :, None] - sliding_window
@@ -93,8 +100,9 @@ class TorchStep:
     every decode to the prefill's length cost more than the step's matmuls.
     """
 
-    def __init__(self, meta: BatchMetadata, sliding_window: int | None) -> None:
+    def __init__(self, meta: BatchMetadata, sliding_window: int | None, causal: bool = True) -> None:
         bounds, kv_lens = meta.host_qo_indptr.tolist(), meta.host_kv_lens.tolist()  # (the host's copies)
+        self.causal = causal
         self.slot_mapping = meta.slot_mapping
         self.num_tokens = bounds[-1]
         self.fresh: list[tuple[int, int]] = []  # token ranges of fresh prefills
@@ -105,17 +113,20 @@ class TorchStep:
                 self.fresh.append((bounds[b], bounds[b + 1]))
             else:
                 by_len.setdefault(q_len, []).append(b)
-        self.groups = [_Group(meta, run, q_len, sliding_window, bounds, kv_lens)
+        self.groups = [_Group(meta, run, q_len, sliding_window, bounds, kv_lens, causal)
                        for q_len, seqs in by_len.items() for run in _similar_lengths(seqs, kv_lens)]
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
         """``q [T, Hq, D]``, ``k``/``v [T, Hkv, D]`` -> ``[T, Hq, D]``, after writing ``k``/``v`` to the cache."""
-        k_flat, v_flat = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
-        k_flat.index_copy_(0, self.slot_mapping, k.to(k_cache.dtype))
-        v_flat.index_copy_(0, self.slot_mapping, v.to(v_cache.dtype))
+        self.write(k, v, k_cache, v_cache)
         return self._attend(q, k, v, lambda pages: (k_cache.index_select(0, pages), v_cache.index_select(0, pages)))
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """Store ``k``/``v [T, Hkv, D]`` at the step's token slots, attending nothing (a DFlash context)."""
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, self.slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, self.slot_mapping, v.to(v_cache.dtype))
 
     def attend_latent(
         self, q: torch.Tensor, latent: torch.Tensor, cache: torch.Tensor, v_dim: int, scale: float
@@ -142,7 +153,7 @@ class TorchStep:
             # 4-D [1, H, L, D] inputs take SDPA's fused CPU kernel; 3-D ones do not.
             out = F.scaled_dot_product_attention(
                 q[None, s:e].transpose(1, 2), k[None, s:e].transpose(1, 2), v[None, s:e].transpose(1, 2),
-                is_causal=True, enable_gqa=gqa, scale=scale,
+                is_causal=self.causal, enable_gqa=gqa, scale=scale,
             )
             parts.append((slice(s, e), out[0].transpose(0, 1)))
         for g in self.groups:
@@ -174,8 +185,9 @@ class TorchAttention:
     def __init__(self, sliding_window: int | None = None) -> None:
         self.sliding_window = sliding_window
 
-    def plan(self, meta: BatchMetadata, num_heads: int, num_kv_heads: int, head_dim: int) -> TorchStep:
-        return TorchStep(meta, self.sliding_window)
+    def plan(self, meta: BatchMetadata, num_heads: int, num_kv_heads: int, head_dim: int, causal: bool = True
+             ) -> TorchStep:
+        return TorchStep(meta, self.sliding_window, causal)
 
 
 def _flashinfer_installed() -> bool:

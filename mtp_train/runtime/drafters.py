@@ -8,7 +8,10 @@ Between steps, for a running sequence with n tokens:
 - a **head** holds K/V for 0..n-2 (its position i read the target's state at i and the token t_{i+1}: the token
   buffer is shifted one step left of the hidden states), carries the logits that predict t_n, and carries its
   state at n-2 that the chain feeds back as the next hidden input (its output, or its output after its final norm:
-  ``feedback``). An EAGLE-3 head reads ``fc`` of three layers' states (``capture``) instead of the last layer's.
+  ``feedback``). An EAGLE-3 head reads ``fc`` of three layers' states (``capture``) instead of the last layer's;
+- a **block** draft (DFlash) holds the context K/V of 0..n-2, made from the target's states alone, and carries
+  nothing: each step one non-causal forward over ``[t_{n-1}, mask x k]`` at n-1..n-1+k drafts all k (its K/V
+  written at those positions, which the next sync overwrites with the verified context).
 
 Under tensor parallelism only the leader rank drafts; the other ranks keep identical page bookkeeping.
 """
@@ -23,6 +26,7 @@ from torch import nn
 
 from mtp_train.errors import UserError
 from mtp_train.heads.base import DraftHead
+from mtp_train.heads.dflash import DFlashHead
 from mtp_train.models.parts import Linear
 from mtp_train.models.transformer import Transformer
 from mtp_train.runtime.attention import select_backend
@@ -52,8 +56,9 @@ class Drafter:
     (``kv`` is None elsewhere); every rank keeps the same page bookkeeping.
     """
 
-    name = ""  # what reports call it: "draft_target", "mtp", "eagle", "eagle3" or "bigram"
+    name = ""  # what reports call it: "draft_target", "mtp", "eagle", "eagle3", "dflash" or "bigram"
     capture: tuple[int, ...] = ()  # target layers whose outputs ``features`` reads (0-based), besides the last one
+    parallel = False  # drafts k tokens in one forward (``block_logits``), not a chain over carried logits
 
     def __init__(self, engine: Engine, num_layers: int, dtype: torch.dtype, sliding_window: int | None) -> None:
         self.engine = engine
@@ -216,6 +221,54 @@ class HeadDrafter(Drafter):
 
     def feedback(self, out):
         return self.head.feedback_state(out)
+
+
+class BlockDrafter(HeadDrafter):
+    """DFlash: the target's states at the head's aux layers become context K/V in the draft's pages (``forward``
+    writes them, attending nothing); each step ``block_logits`` drafts k tokens in one non-causal forward."""
+
+    parallel = True
+
+    def __init__(self, engine: Engine, head: DFlashHead, vocab: torch.Tensor | None = None) -> None:
+        super().__init__(engine, head, vocab=vocab)  # (the frozen lm_head, or its eval.draft_vocab rows)
+        self.capture = tuple(k - 1 for k in head.spec.aux_layers)
+
+    def kv_config(self):
+        return self.head.layer_config()
+
+    def features(self, hidden: torch.Tensor, captured: list[torch.Tensor]) -> torch.Tensor:
+        return self.head.project(torch.cat(captured, dim=-1)) if self.leader else hidden
+
+    def forward(self, feeds: list[Feed]) -> None:
+        """Write each feed's context rows (``hidden``) at its positions into every layer's pages."""
+        if not feeds or not self.leader:
+            return
+        meta = build_batch([list(range(len(f.hidden))) for f in feeds], [f.start for f in feeds],
+                           [f.seq.draft_pages.pages for f in feeds], self.allocator.page_size, self.engine.device)
+        plan = self.backend.plan(meta, *self.heads)
+        self.head.write_context(torch.cat([f.hidden for f in feeds]), meta.positions, plan, self.kv.layers)
+
+    def block_logits(self, batch: list[tuple[Sequence, int]], k: int) -> torch.Tensor:
+        """Leader: one forward over each sequence's block ``[t_{n-1}, mask x k_b]`` (pages reserved) -> the logits
+        of its drafts ``[B, k, V]`` float32 (row b's first ``k_b``; the rest repeat its last, never read)."""
+        seqs = [seq for seq, _ in batch]
+        blocks = [[seq.tokens[-1]] + [self.head.spec.mask_token_id] * k_b for seq, k_b in batch]
+        meta = build_batch(blocks, [self.valid(seq) for seq in seqs], [seq.draft_pages.pages for seq in seqs],
+                           self.allocator.page_size, self.engine.device)
+        bounds = meta.host_qo_indptr.tolist()
+        first = to_device(torch.tensor(bounds[:-1]), self.engine.device)
+        embeds = self.head.mask_embedding.to(self.target.output.weight.dtype).expand(meta.tokens.numel(), -1).clone()
+        embeds[first] = self.target.tok_embeddings(meta.tokens[first])
+        out = self.head.run(embeds, None, meta.positions, self.backend.plan(meta, *self.heads, causal=False),
+                            self.kv.layers)
+        rows = [[bounds[b] + min(j + 1, k_b) for j in range(k)] for b, (_, k_b) in enumerate(batch)]
+        return self.logits(out[to_device(torch.tensor(rows), out.device).view(-1)]).view(len(batch), k, -1)
+
+
+def head_drafter(engine: Engine, head: DraftHead, vocab: torch.Tensor | None = None, name: str | None = None
+                 ) -> HeadDrafter:
+    """The drafter of a trained head: a block drafter for a dflash head, a chain for the others."""
+    return BlockDrafter(engine, head, vocab) if isinstance(head, DFlashHead) else HeadDrafter(engine, head, name, vocab)
 
 
 class BigramDrafter(TokenDrafter):

@@ -1,7 +1,7 @@
 """FlashInfer attention on CUDA: paged prefill/append wrapper (plan once per step, run per layer).
 
-Imported only when the flashinfer backend is selected. Every batch kind (prefill, decode,
-verify) is a causal "append" over paged KV, so one wrapper serves them all. Index arrays are int32; the plan takes
+Imported only when the flashinfer backend is selected. Every batch kind (prefill, decode, verify, a DFlash block,
+which is not causal) is an "append" over paged KV, so one wrapper serves them all. Index arrays are int32; the plan takes
 the per-sequence arrays from the host (``BatchMetadata.host_*``) and the page indices from the device.
 """
 
@@ -18,7 +18,7 @@ WORKSPACE_BYTES = 512 * 1024 * 1024
 
 class FlashInferStep:
     def __init__(self, backend: FlashInferAttention, meta: BatchMetadata, num_heads: int, num_kv_heads: int,
-                 head_dim: int) -> None:
+                 head_dim: int, causal: bool = True) -> None:
         import flashinfer
 
         self._flashinfer = flashinfer
@@ -34,7 +34,7 @@ class FlashInferStep:
             num_kv_heads,
             head_dim,
             meta.page_size,
-            causal=True,
+            causal=causal,
             window_left=-1 if backend.sliding_window is None else backend.sliding_window - 1,
             q_data_type=backend.dtype,
             kv_data_type=backend.dtype,
@@ -44,13 +44,17 @@ class FlashInferStep:
             meta.qo_indptr, meta.kv_lens, meta.tokens.numel()
         )
 
-    def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
-    ) -> torch.Tensor:
+    def write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """Store ``k``/``v [T, Hkv, D]`` at the step's positions in the pages, attending nothing."""
         self._flashinfer.append_paged_kv_cache(
             k.to(k_cache.dtype), v.to(v_cache.dtype), self.batch_indices, self.positions, (k_cache, v_cache),
             self.meta.page_indices, self.meta.page_indptr, self.meta.last_page_len, kv_layout="NHD",
         )
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch.Tensor:
+        self.write(k, v, k_cache, v_cache)
         return self.wrapper.run(q.to(k_cache.dtype), (k_cache, v_cache)).to(q.dtype)
 
 
@@ -63,5 +67,6 @@ class FlashInferAttention:
         workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout="NHD")
 
-    def plan(self, meta: BatchMetadata, num_heads: int, num_kv_heads: int, head_dim: int) -> FlashInferStep:
-        return FlashInferStep(self, meta, num_heads, num_kv_heads, head_dim)
+    def plan(self, meta: BatchMetadata, num_heads: int, num_kv_heads: int, head_dim: int, causal: bool = True
+             ) -> FlashInferStep:
+        return FlashInferStep(self, meta, num_heads, num_kv_heads, head_dim, causal)

@@ -3,7 +3,8 @@
 A decode step (every running sequence is decoding; n = its number of tokens), top to bottom:
 
 1. **propose**: the draft's carried logits give d_1; d_2..d_k come from a linear chain of draft forwards (greedy,
-   or sampled with the request's own settings);
+   or sampled with the request's own settings); a block draft (DFlash) gives all k from one forward, each drawn
+   from its own position's distribution (the acceptance rule needs only the distribution each draft came from);
 2. **verify**: the target forwards ``[t_{n-1}, d_1..d_k]`` in one batch (``q_len = k + 1``);
 3. **accept**: the batched rule (``accept_batch``, or ``accept_greedy`` at T = 0; ``accept_draft`` is its one-sequence
    reference) keeps a tokens per sequence and appends one more (bonus or residual), on the device;
@@ -165,14 +166,18 @@ class SpeculativeDecoder:
         params = [seq.params for seq in seqs]
         tokens: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
+        block = drafter.block_logits(batch, k) if drafter.parallel else None  # [B, k, V]: all k in one forward
+        self.timings.draft_forwards += block is not None
         for j in range(k):
-            logits = torch.stack([drafter.carried[seq.request_id][0] for seq in seqs])  # [B, V]
+            logits = block[:, j] if block is not None else torch.stack([drafter.carried[s.request_id][0] for s in seqs])
             if u is None:
                 token = logits.argmax(-1)
             else:
                 probs.append(target_distributions(logits, params))
                 token = draw(probs[-1], u[:, j])
             tokens.append(token)
+            if block is not None:  # (a block's drafts do not depend on each other: no chain)
+                continue
             feeds = []
             for b, (seq, k_b) in enumerate(batch):
                 if j + 1 < k_b:  # the chain's next forward, at the position after this draft's last

@@ -156,7 +156,7 @@ def head_to_hf(head: DraftHead) -> dict[str, torch.Tensor]:
         elif not name.startswith("rope."):
             out[name] = tensor.detach().contiguous()
     for index, state in layers.items():
-        out.update({f"layers.{index}.{k}": v for k, v in layer_to_hf(state, head.spec.target).items()})
+        out.update({f"layers.{index}.{k}": v for k, v in layer_to_hf(state, head.layer_config()).items()})
     return out
 
 
@@ -173,7 +173,7 @@ def head_from_hf(spec: HeadSpec, tensors: dict[str, torch.Tensor], source: str) 
     for index, suffixes in wanted.items():
         prefix = f"layers.{index}."
         layer = {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
-        state.update({prefix + k: v for k, v in layer_from_hf(layer, suffixes, source, spec.target).items()})
+        state.update({prefix + k: v for k, v in layer_from_hf(layer, suffixes, source, head.layer_config()).items()})
     missing = sorted(set(head.state_dict()) - set(state))
     if missing:
         raise UserError(f"{source}: head tensor {missing[0]!r} is missing")

@@ -48,6 +48,7 @@ class LossWeights:
     decay: float
     teacher: str  # "topk" or "exact"
     gate_offset: int = 0  # the prediction of token i counts where loss_mask[i - gate_offset] is set
+    anchors: int = 0  # dflash: blocks sampled per document (0: a block at every anchor)
 
 
 @dataclass

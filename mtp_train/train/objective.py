@@ -1,7 +1,7 @@
 """The head's objective as the trainer optimizes and validates it: the loss weights a recipe sets, the held-out
-batches, the loss (training-time test for an eagle3 head, else the unrolled ``head_loss``) and the teacher-forced
-validation. The eval runs the same ``validate`` with the runtime's paged forward; ``mtp_train.train.trainer`` names
-all four too.
+batches, the loss (training-time test for an eagle3 head, blocks for a dflash head, else the unrolled ``head_loss``)
+and the teacher-forced validation. The eval runs the same ``validate`` with the runtime's paged forward;
+``mtp_train.train.trainer`` names all four too.
 """
 
 from __future__ import annotations
@@ -12,9 +12,11 @@ from typing import Any
 
 import torch
 
+from mtp_train.errors import UserError
 from mtp_train.heads import DraftHead
 from mtp_train.heads.frozen import FrozenTarget
 from mtp_train.recipe import Recipe
+from mtp_train.train.blocks import block_loss
 from mtp_train.train.data import Batch, load_batch
 from mtp_train.train.loss import LossWeights, StepMetrics, head_loss, simulated_tau
 from mtp_train.train.ttt import ttt_loss
@@ -22,8 +24,14 @@ from mtp_train.features.reader import FeatureReader
 
 
 def loss_weights(recipe: Recipe) -> LossWeights:
-    t = recipe.train
-    return LossWeights(t.w_hidden, t.w_logits, t.unroll, t.unroll_decay, t.teacher, 2 if t.mask_gate == "input" else 0)
+    """The recipe's loss settings; a dflash head's steps are its block's positions 1..B-1."""
+    t, head = recipe.train, recipe.head
+    steps = head.block_size - 1 if head.kind == "dflash" else t.unroll
+    if head.kind == "dflash" and t.mask_gate == "input":
+        raise UserError("train.mask_gate: `input` gates a chain head's steps; a dflash block's predictions are gated "
+                        "by their own labels: set train.mask_gate: label")
+    return LossWeights(t.w_hidden, t.w_logits, steps, t.unroll_decay, t.teacher, 2 if t.mask_gate == "input" else 0,
+                       t.anchors or 0)
 
 
 def heldout_batches(reader: FeatureReader, batch_tokens: int, aux: tuple[int, ...] = ()) -> Iterator[Batch]:
@@ -35,9 +43,11 @@ def heldout_batches(reader: FeatureReader, batch_tokens: int, aux: tuple[int, ..
 
 def objective(head: DraftHead, frozen: FrozenTarget, batch: Batch, weights: LossWeights,
               forward: Callable[..., torch.Tensor] | None = None) -> tuple[torch.Tensor, list[StepMetrics]]:
-    """The head's training loss (a scalar tensor) and per-step metrics: training-time test for ``eagle3``, else
-    ``head_loss``. ``forward`` replaces the head's own forward (the DDP wrapper, the runtime's paged forward)."""
-    return (ttt_loss if head.spec.kind == "eagle3" else head_loss)(head, frozen, batch, weights, forward)
+    """The head's training loss (a scalar tensor) and per-step metrics: training-time test for ``eagle3``, blocks for
+    ``dflash``, else ``head_loss``. ``forward`` replaces the head's own forward (the DDP wrapper, the runtime's paged
+    forward)."""
+    loss = {"eagle3": ttt_loss, "dflash": block_loss}.get(head.spec.kind, head_loss)
+    return loss(head, frozen, batch, weights, forward)
 
 
 @torch.no_grad()
@@ -48,7 +58,7 @@ def validate(head: DraftHead, frozen: FrozenTarget, batches: Iterable[Batch], we
     ``forward`` replaces the head's own forward (the eval passes the runtime's paged implementation). Every
     predicted assistant token counts, whichever ``train.mask_gate`` trained the head.
     """
-    weights = replace(weights, gate_offset=0)  # validation counts the predicted assistant tokens, whatever trains
+    weights = replace(weights, gate_offset=0, anchors=0)  # the predicted assistant tokens, whatever trains; all blocks
     was_training = head.training
     head.eval()
     sums = [[0.0, 0, 0] for _ in range(weights.unroll)]  # loss*count, correct, count

@@ -34,23 +34,23 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from mtp_train.errors import UserError
-from mtp_train.heads import DraftHead, HeadSpec, build_head, head_spec
+from mtp_train.heads import DraftHead, HeadSpec, head_spec
 from mtp_train.heads.frozen import FrozenTarget
 from mtp_train.io import crash_point, pause_point
 from mtp_train.lock import exclusive, rank_lock
-from mtp_train.models.checkpoint import read_layer
 from mtp_train.progress import Progress
 from mtp_train.recipe import Recipe
 from mtp_train.threads import leave_signals_to_main_thread, set_threads, warn_if_oversubscribed
 from mtp_train.train.checkpoint import (begin_checkpoint, finish_checkpoint, head_is_complete, load_checkpoint,
                                         load_optimizer_shard, save_head, save_optimizer_shard)
 from mtp_train.train.data import Batch, BatchPlan, load_batch, plan_batches, plan_rank
+from mtp_train.train.initial import initial_head
 from mtp_train.train.distributed import (EXIT_STOPPED, StopRequest, make_accelerator, optimizer_state,
                                          restore_optimizer, train_precision)
 from mtp_train.train.loss import LossWeights, StepMetrics
 from mtp_train.train.objective import heldout_batches, loss_weights, objective, validate
 from mtp_train.train.records import append_record, start_wandb, trim_log
-from mtp_train.train.vocab import aux_indices, draft_vocab_size, frequent_tokens
+from mtp_train.train.vocab import aux_indices, draft_vocab_size
 from mtp_train.features.manifest import text_fingerprint
 from mtp_train.features.reader import FeatureReader
 
@@ -112,10 +112,11 @@ class TrainInputs:
         frozen = FrozenTarget.load(recipe.target.path)
         if reader.manifest.layers[-1] != frozen.cfg.num_layers - 1:
             raise UserError(f"{recipe.features_dir}: the last stored layer must be the target's last layer")
-        aux = aux_indices(reader, recipe.head.aux_layers, frozen.cfg) if recipe.head.kind == "eagle3" else ()
-        spec = head_spec(recipe.head.kind, recipe.head.num_layers, frozen.cfg, reader.manifest.fingerprint["target"],
-                         recipe.head.convention, tuple(reader.manifest.layers[i] + 1 for i in aux),
-                         draft_vocab_size(recipe.head.draft_vocab, frozen.cfg.vocab_size))
+        h, vocab = recipe.head, frozen.cfg.vocab_size
+        aux = aux_indices(reader, h.aux_layers, frozen.cfg) if h.kind in ("eagle3", "dflash") else ()
+        spec = head_spec(h.kind, h.num_layers, frozen.cfg, reader.manifest.fingerprint["target"], h.convention,
+                         tuple(reader.manifest.layers[i] + 1 for i in aux), draft_vocab_size(h.draft_vocab, vocab),
+                         h.block_size, vocab - 1 if h.mask_token_id is None else h.mask_token_id)
         train_key = text_fingerprint(json.dumps(
             {"recipe_train": recipe.train.model_dump(mode="json"), "head": recipe.head.model_dump(mode="json"),
              "seed": recipe.seed, "features": reader.manifest.fingerprint}, sort_keys=True))
@@ -167,7 +168,7 @@ class Trainer:
         trimmed to its step), announce the run and start loading its first micro-batch."""
         recipe, reader, t = inputs.recipe, inputs.reader, inputs.recipe.train
         torch.manual_seed(recipe.seed)
-        head = _initial_head(inputs)
+        head = initial_head(recipe, inputs.spec, inputs.frozen, reader)
         optimizer = torch.optim.AdamW(head.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
         accelerator = make_accelerator(recipe)
         world = accelerator.num_processes
@@ -254,7 +255,7 @@ class Trainer:
         """One optimizer step over ``grad_accum`` micro-batches: gradients, clipping, AdamW, the schedule."""
         t = self.recipe.train
         started = time.perf_counter()
-        step_loss, counts, tokens = 0.0, [[0, 0] for _ in range(t.unroll)], 0  # counts: [correct, count] per step
+        step_loss, counts, tokens = 0.0, [[0, 0] for _ in range(self.weights.unroll)], 0  # [correct, count] per step
         for micro in range(t.grad_accum):
             batch = self._next_batch(micro)
             micro_loss, metrics = self._forward_backward(batch, last=micro == t.grad_accum - 1)
@@ -366,27 +367,6 @@ class Trainer:
                                          for p in self.head.parameters())).digest()  # any dtype, bf16 too
         digests = self.accelerator.gather(torch.tensor(list(digest), dtype=torch.int64, device=self.device))
         return [bytes(d.tolist()).hex() for d in digests.view(self.accelerator.num_processes, -1).cpu()]
-
-
-def _initial_head(inputs: TrainInputs) -> DraftHead:
-    """The head before its first step (torch seeded by the caller). An eagle3 head's vocabulary is the most frequent
-    assistant tokens and its lm_head starts as their frozen rows; ``init: target_last_layer`` starts an mtp head's
-    layers as the target's last layer (not eagle: see HeadConfig.init)."""
-    recipe, spec, frozen = inputs.recipe, inputs.spec, inputs.frozen
-    head = build_head(spec)
-    if recipe.head.kind == "eagle3":
-        ids = frequent_tokens(inputs.reader, spec.draft_vocab, frozen.cfg.vocab_size)
-        head.draft_ids.copy_(ids)
-        head.lm_head.weight.data.copy_(frozen.lm_head_weight[ids])
-    if recipe.head.init == "target_last_layer" and spec.kind == "mtp":
-        state = read_layer(recipe.target.path, frozen.cfg.num_layers - 1, list(_layer_suffixes(head)), frozen.cfg)
-        for layer in head.layers:
-            layer.load_state_dict({k: v for k, v in state.items() if k in layer.state_dict()}, strict=False)
-    return head
-
-
-def _layer_suffixes(head: DraftHead) -> set[str]:
-    return {name.split(".", 2)[2] for name in head.state_dict() if name.startswith("layers.")}
 
 
 def _lr_lambda(warmup: int, total: int) -> Callable[[int], float]:

@@ -1,0 +1,32 @@
+"""The head before its first optimizer step, built from the trainer's inputs (torch seeded by the caller)."""
+
+from __future__ import annotations
+
+from mtp_train.features.reader import FeatureReader
+from mtp_train.heads import DraftHead, HeadSpec, build_head
+from mtp_train.heads.frozen import FrozenTarget
+from mtp_train.models.checkpoint import read_layer
+from mtp_train.recipe import Recipe
+from mtp_train.train.vocab import frequent_tokens
+
+
+def initial_head(recipe: Recipe, spec: HeadSpec, frozen: FrozenTarget, reader: FeatureReader) -> DraftHead:
+    """An eagle3 head's vocabulary is the most frequent assistant tokens and its lm_head starts as their frozen rows;
+    a dflash head's mask vector starts as the embedding of the id engines write there; ``init: target_last_layer``
+    starts an mtp head's layers as the target's last layer (not eagle: see HeadConfig.init)."""
+    head = build_head(spec)
+    if spec.kind == "eagle3":
+        ids = frequent_tokens(reader, spec.draft_vocab, frozen.cfg.vocab_size)
+        head.draft_ids.copy_(ids)
+        head.lm_head.weight.data.copy_(frozen.lm_head_weight[ids])
+    if spec.kind == "dflash":
+        head.mask_embedding.data.copy_(frozen.embed_weight[spec.mask_token_id])
+    if recipe.head.init == "target_last_layer" and spec.kind == "mtp":
+        state = read_layer(recipe.target.path, frozen.cfg.num_layers - 1, list(_layer_suffixes(head)), frozen.cfg)
+        for layer in head.layers:
+            layer.load_state_dict({k: v for k, v in state.items() if k in layer.state_dict()}, strict=False)
+    return head
+
+
+def _layer_suffixes(head: DraftHead) -> set[str]:
+    return {name.split(".", 2)[2] for name in head.state_dict() if name.startswith("layers.")}
