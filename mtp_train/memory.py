@@ -245,10 +245,12 @@ def memory_plan(cfg: ModelConfig, recipe: Recipe, gpu_bytes: int = H100_BYTES) -
     frozen = frozen_bytes(cfg)
     features = batch_bytes(recipe, cfg, 4 if recipe.head.kind in ("eagle3", "dflash") else 1)  # last layer (+ aux)
     activations = train_activation_bytes(recipe, cfg)
+    dflash = recipe.head.kind == "dflash"
+    steps = f"blocks of {recipe.head.block_size} at every anchor" if dflash else f"{tr.unroll} unrolled steps"
     train = StagePlan("train", {"frozen": frozen, "head+grads+AdamW": head_params * 4 + grads + head_params * 8 // zero,
                                 "features": features, "activations": activations,
                                 "loss": loss_copy_bytes(recipe, cfg) + 4 * CHUNK_BYTES},
-                      gpu_bytes, f"{tr.unroll} unrolled steps x {tr.batch_tokens:,} tokens (fp32 activations"
+                      gpu_bytes, f"{steps} x {tr.batch_tokens:,} tokens (fp32 activations"
                                  f"{'; bf16 autocast keeps less' if tr.mixed_precision != 'no' else ''}"
                                  f"{scores}), AdamW over {zero} rank(s)")
     return [runtime, train, eval_plan(cfg, recipe, gpu_bytes, scoring)]
