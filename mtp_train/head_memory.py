@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from mtp_train.heads import build_head, head_spec
+from mtp_train.heads import AUX_KINDS, build_head, head_spec
 from mtp_train.heads.eagle3 import aux_layers_for
 from mtp_train.models.config import ModelConfig
 from mtp_train.recipe import Recipe
@@ -43,7 +43,7 @@ def _plan_spec(recipe: Recipe, cfg: ModelConfig, kind: str | None = None):
     kind = kind or recipe.head.kind
     h, eagle3 = recipe.head, kind == "eagle3"
     return head_spec(kind, h.num_layers, cfg, "plan", h.convention,
-                     tuple(aux_layers_for(h.aux_layers, cfg)) if kind in ("eagle3", "dflash") else (),
+                     tuple(aux_layers_for(h.aux_layers, cfg)) if kind in AUX_KINDS else (),
                      draft_vocab_size(h.draft_vocab, cfg.vocab_size) if eagle3 else 0, h.block_size,
                      cfg.vocab_size - 1 if h.mask_token_id is None else h.mask_token_id)
 

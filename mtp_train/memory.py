@@ -25,6 +25,7 @@ import torch
 
 from mtp_train.head_memory import (attention_kernel, batch_bytes, frozen_bytes, head_parameter_count, loss_copy_bytes,
                                    train_activation_bytes)
+from mtp_train.heads.base import AUX_KINDS
 from mtp_train.models.config import ModelConfig
 from mtp_train.recipe import Recipe
 from mtp_train.runtime.engine import LOGITS_CHUNK
@@ -243,7 +244,7 @@ def memory_plan(cfg: ModelConfig, recipe: Recipe, gpu_bytes: int = H100_BYTES) -
     zero = TRAIN_RANKS if tr.engine == "deepspeed" else 1
     grads = head_params * 4 // (zero if tr.engine == "deepspeed" and tr.zero_stage == 2 else 1)
     frozen = frozen_bytes(cfg)
-    features = batch_bytes(recipe, cfg, 4 if recipe.head.kind in ("eagle3", "dflash") else 1)  # last layer (+ aux)
+    features = batch_bytes(recipe, cfg, 4 if recipe.head.kind in AUX_KINDS else 1)  # last layer (+ aux)
     activations = train_activation_bytes(recipe, cfg)
     dflash = recipe.head.kind == "dflash"
     steps = f"blocks of {recipe.head.block_size} at every anchor" if dflash else f"{tr.unroll} unrolled steps"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from mtp_train.heads.base import AUX_KINDS
 from mtp_train.heads.eagle3 import aux_layers_for
 from mtp_train.models.config import ModelConfig
 from mtp_train.recipe import Recipe
@@ -18,6 +19,6 @@ def stored_layers(recipe: Recipe, cfg: ModelConfig) -> list[int]:
 def eagle3_layers(recipe: Recipe, cfg: ModelConfig) -> list[int]:
     """Outputs of these layers are what an ``eagle3`` or ``dflash`` head of the recipe reads (none when it trains
     neither)."""
-    if not {"eagle3", "dflash"} & {recipe.head.kind, *recipe.eval.compare}:
+    if not set(AUX_KINDS) & {recipe.head.kind, *recipe.eval.compare}:
         return []
     return [k - 1 for k in aux_layers_for(recipe.head.aux_layers, cfg)]

@@ -25,6 +25,7 @@ from mtp_train.models.tp import TensorParallel
 from mtp_train.models.transformer import DecoderLayer
 
 HEADS: dict[str, type[DraftHead]] = {}
+AUX_KINDS = ("eagle3", "dflash")  # kinds that read the target's states at ``aux_layers`` (precompute stores them)
 
 
 @dataclass(frozen=True)
@@ -148,12 +149,12 @@ def head_spec(kind: str, num_layers: int, target: ModelConfig, fingerprint: str,
     if kind not in HEADS:
         raise UserError(f"head.kind: {kind!r} is not a head; choose one of {sorted(HEADS)}")
     c = choices(kind, convention)
-    eagle3, dflash = kind == "eagle3", kind == "dflash"
+    eagle3, dflash, aux = kind == "eagle3", kind == "dflash", kind in AUX_KINDS
     # A DeepSeek head's layer is of the type the target would have at index L (its own MTP layer's): with experts
     # past the dense first layers, so that the DeepSeek layout's loaders build it as trained.
     return HeadSpec(kind, num_layers, target, fingerprint, c.hidden_input, c.zero_embed_at_position0, c.feedback,
-                    convention, target.is_moe_layer(target.num_layers) and not (eagle3 or dflash),
-                    tuple(aux_layers) if eagle3 or dflash else (), draft_vocab if eagle3 else 0,
+                    convention, target.is_moe_layer(target.num_layers) and not aux,
+                    tuple(aux_layers) if aux else (), draft_vocab if eagle3 else 0,
                     block_size if dflash else 0, mask_token_id if dflash else -1)
 
 

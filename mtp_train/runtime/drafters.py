@@ -174,8 +174,8 @@ class HeadDrafter(Drafter):
         self.target = engine.model
         spec = head.spec
         self.own_vocab = spec.kind == "eagle3"
-        if self.own_vocab:  # the outputs of layers k - 1 are the inputs of blocks k (its aux layers)
-            self.capture = tuple(k - 1 for k in spec.aux_layers)
+        self.capture = tuple(k - 1 for k in spec.aux_layers)  # eagle3, dflash: layer k - 1's output enters block k
+        if self.own_vocab:
             self.vocab = self.head.draft_ids if spec.draft_vocab < engine.cfg.vocab_size else None
             self.vocab_head = self.head.lm_head  # [N, H], draft id order = ascending target ids
         else:
@@ -186,7 +186,7 @@ class HeadDrafter(Drafter):
         super().__init__(engine, len(head.layers), engine.model.output.weight.dtype, None)
 
     def kv_config(self):
-        return self.head.spec.target
+        return self.head.layer_config()
 
     def valid(self, seq: Sequence) -> int:
         return len(seq.tokens) - 1
@@ -194,7 +194,7 @@ class HeadDrafter(Drafter):
     def features(self, hidden: torch.Tensor, captured: list[torch.Tensor]) -> torch.Tensor:
         if not self.leader:  # (it drafts nothing)
             return hidden
-        if self.head.spec.kind == "eagle3":
+        if self.capture:  # eagle3's fc, dflash's fc and hidden_norm of the aux layers' states
             return self.head.project(torch.cat(captured, dim=-1))
         return self.target.norm(hidden) if self.head.spec.hidden_input == "post_norm" else hidden
 
@@ -229,16 +229,6 @@ class BlockDrafter(HeadDrafter):
 
     parallel = True
 
-    def __init__(self, engine: Engine, head: DFlashHead, vocab: torch.Tensor | None = None) -> None:
-        super().__init__(engine, head, vocab=vocab)  # (the frozen lm_head, or its eval.draft_vocab rows)
-        self.capture = tuple(k - 1 for k in head.spec.aux_layers)
-
-    def kv_config(self):
-        return self.head.layer_config()
-
-    def features(self, hidden: torch.Tensor, captured: list[torch.Tensor]) -> torch.Tensor:
-        return self.head.project(torch.cat(captured, dim=-1)) if self.leader else hidden
-
     def forward(self, feeds: list[Feed]) -> None:
         """Write each feed's context rows (``hidden``) at its positions into every layer's pages."""
         if not feeds or not self.leader:
@@ -268,7 +258,7 @@ class BlockDrafter(HeadDrafter):
 def head_drafter(engine: Engine, head: DraftHead, vocab: torch.Tensor | None = None, name: str | None = None
                  ) -> HeadDrafter:
     """The drafter of a trained head: a block drafter for a dflash head, a chain for the others."""
-    return BlockDrafter(engine, head, vocab) if isinstance(head, DFlashHead) else HeadDrafter(engine, head, name, vocab)
+    return (BlockDrafter if isinstance(head, DFlashHead) else HeadDrafter)(engine, head, name, vocab)
 
 
 class BigramDrafter(TokenDrafter):

@@ -34,7 +34,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from mtp_train.errors import UserError
-from mtp_train.heads import DraftHead, HeadSpec, head_spec
+from mtp_train.heads import AUX_KINDS, DraftHead, HeadSpec, head_spec
 from mtp_train.heads.frozen import FrozenTarget
 from mtp_train.io import crash_point, pause_point
 from mtp_train.lock import exclusive, rank_lock
@@ -113,7 +113,7 @@ class TrainInputs:
         if reader.manifest.layers[-1] != frozen.cfg.num_layers - 1:
             raise UserError(f"{recipe.features_dir}: the last stored layer must be the target's last layer")
         h, vocab = recipe.head, frozen.cfg.vocab_size
-        aux = aux_indices(reader, h.aux_layers, frozen.cfg) if h.kind in ("eagle3", "dflash") else ()
+        aux = aux_indices(reader, h.aux_layers, frozen.cfg) if h.kind in AUX_KINDS else ()
         spec = head_spec(h.kind, h.num_layers, frozen.cfg, reader.manifest.fingerprint["target"], h.convention,
                          tuple(reader.manifest.layers[i] + 1 for i in aux), draft_vocab_size(h.draft_vocab, vocab),
                          h.block_size, vocab - 1 if h.mask_token_id is None else h.mask_token_id)
