@@ -228,7 +228,7 @@ def _sweep(engine: Engine, drafter: Drafter, prompts, token_ids, plain: dict, ks
                 check.lossless, check.greedy_violations, len(check.divergences))
             point = sweep_point(k, temperature, request_traces(prompts, token_ids, results),
                                 PointTiming(c, timing.wall_s / spec_s, v, cost), verdict,
-                                forwards=2 if drafter.parallel else None)
+                                forwards=drafter.forwards_per_step)
             points.append(point)
             if engine.tp.is_leader:
                 print(f"eval: {drafter.name} k={k} T={temperature:g}: tau {point.tau:.3f}, alpha "

@@ -16,15 +16,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mtp_train.errors import UserError
 from mtp_train.heads.base import DraftHead, HeadSpec
 from mtp_train.models.config import ModelConfig
-from mtp_train.models.parts import CosSin, Linear, RMSNorm
-from mtp_train.models.rope import RotaryEmbedding
-from mtp_train.models.transformer import DecoderLayer
+from mtp_train.models.parts import Linear, RMSNorm
 
 
 class DFlashHead(DraftHead):
@@ -55,15 +52,6 @@ class DFlashHead(DraftHead):
         """The target's states at the aux layers, concatenated ``[T, nH]`` -> context rows ``c [T, H]``."""
         return self.hidden_norm(self.fc(aux))
 
-    def context_kv(self, layer: DecoderLayer, context: torch.Tensor, cos_sin: CosSin
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer's keys and values of context rows ``[T, H]``: ``[T, Hkv, D]`` each (keys normed and rotated)."""
-        attn = layer.attention
-        nq, nkv, d = attn.n_heads, attn.n_kv_heads, attn.head_dim
-        kv = F.linear(context, attn.wqkv.weight[nq * d :]).view(context.shape[0], 2 * nkv, d)
-        k, v = kv.split([nkv, nkv], dim=1)
-        return RotaryEmbedding.rotate(attn.k_norm(k), *cos_sin), v
-
     def block_embeds(self, first: torch.Tensor, size: int) -> torch.Tensor:
         """Embeddings of the blocks' first tokens ``[A, H]`` -> the blocks' inputs ``[A * size, H]``."""
         masks = self.mask_embedding.to(first.dtype).expand(first.shape[0], size - 1, first.shape[1])
@@ -74,7 +62,7 @@ class DFlashHead(DraftHead):
         (``plan.write``), where blocks read them."""
         cos_sin = self.rope.cos_sin(positions, context.dtype)
         for layer, cache in zip(self.layers, kv, strict=True):
-            plan.write(*self.context_kv(layer, context, cos_sin), *cache)
+            plan.write(*layer.attention.keys_values(context, cos_sin), *cache)
 
     def run(self, embeds: torch.Tensor, hidden: torch.Tensor | None, positions: torch.Tensor, plan, kv: list
             ) -> torch.Tensor:
@@ -96,7 +84,7 @@ class DFlashHead(DraftHead):
         x = self.block_embeds(first, self.spec.block_size)
         cos_sin = self.rope.cos_sin(block_positions, x.dtype)
         for layer in self.layers:
-            plan.context = self.context_kv(layer, context, ctx_cos_sin)
+            plan.context = layer.attention.keys_values(context, ctx_cos_sin)
             x = layer(x, cos_sin, plan, (None, None))
         return x
 

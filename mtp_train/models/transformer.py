@@ -54,6 +54,15 @@ class Attention(nn.Module):
         out = self.tp.all_reduce(self.wo(out))
         return out if self.wo_bias is None else out + self.wo_bias
 
+    def keys_values(self, x: torch.Tensor, cos_sin: CosSin) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values ``forward`` makes of rows ``x [T, hidden]``, without queries or attention:
+        ``[T, n_kv_heads, head_dim]`` each, keys normed and rotated (a DFlash head's context)."""
+        rows = slice(self.n_heads * self.head_dim, None)
+        bias = None if self.wqkv.bias is None else self.wqkv.bias[rows]
+        kv = F.linear(x, self.wqkv.weight[rows], bias).view(x.shape[0], 2 * self.n_kv_heads, self.head_dim)
+        k, v = kv.split([self.n_kv_heads, self.n_kv_heads], dim=1)
+        return RotaryEmbedding.rotate(k if self.k_norm is None else self.k_norm(k), *cos_sin), v
+
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP with residuals; DeepSeek's is latent attention, with experts when ``moe``."""

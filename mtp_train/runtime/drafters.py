@@ -59,6 +59,7 @@ class Drafter:
     name = ""  # what reports call it: "draft_target", "mtp", "eagle", "eagle3", "dflash" or "bigram"
     capture: tuple[int, ...] = ()  # target layers whose outputs ``features`` reads (0-based), besides the last one
     parallel = False  # drafts k tokens in one forward (``block_logits``), not a chain over carried logits
+    forwards_per_step: int | None = None  # draft forwards per speculative step; None: one per drafted token
 
     def __init__(self, engine: Engine, num_layers: int, dtype: torch.dtype, sliding_window: int | None) -> None:
         self.engine = engine
@@ -228,6 +229,7 @@ class BlockDrafter(HeadDrafter):
     writes them, attending nothing); each step ``block_logits`` drafts k tokens in one non-causal forward."""
 
     parallel = True
+    forwards_per_step = 2  # the context's write after each verify, then the block
 
     def forward(self, feeds: list[Feed]) -> None:
         """Write each feed's context rows (``hidden``) at its positions into every layer's pages."""
