@@ -45,7 +45,7 @@ def _plan_spec(recipe: Recipe, cfg: ModelConfig, kind: str | None = None):
     return head_spec(kind, h.num_layers, cfg, "plan", h.convention,
                      tuple(aux_layers_for(h.aux_layers, cfg)) if kind in AUX_KINDS else (),
                      draft_vocab_size(h.draft_vocab, cfg.vocab_size) if eagle3 else 0, h.block_size,
-                     cfg.vocab_size - 1 if h.mask_token_id is None else h.mask_token_id)
+                     h.mask_id(cfg.vocab_size))
 
 
 def head_activation_bytes_per_token(recipe: Recipe, cfg: ModelConfig) -> int:

@@ -181,6 +181,10 @@ class HeadConfig(Section):
         "only vLLM zeroes position 0). `eagle` heads are the same under all three (post-norm state, raw output).",
     )
 
+    def mask_id(self, vocab_size: int) -> int:
+        """``mask_token_id``, or the last id of a ``vocab_size``-id vocabulary when it is null."""
+        return vocab_size - 1 if self.mask_token_id is None else self.mask_token_id
+
 
 class TrainConfig(Section):
     """Stage 2: training the head."""

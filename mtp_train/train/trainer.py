@@ -116,7 +116,7 @@ class TrainInputs:
         aux = aux_indices(reader, h.aux_layers, frozen.cfg) if h.kind in AUX_KINDS else ()
         spec = head_spec(h.kind, h.num_layers, frozen.cfg, reader.manifest.fingerprint["target"], h.convention,
                          tuple(reader.manifest.layers[i] + 1 for i in aux), draft_vocab_size(h.draft_vocab, vocab),
-                         h.block_size, vocab - 1 if h.mask_token_id is None else h.mask_token_id)
+                         h.block_size, h.mask_id(vocab))
         train_key = text_fingerprint(json.dumps(
             {"recipe_train": recipe.train.model_dump(mode="json"), "head": recipe.head.model_dump(mode="json"),
              "seed": recipe.seed, "features": reader.manifest.fingerprint}, sort_keys=True))
