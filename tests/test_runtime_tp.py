@@ -31,6 +31,7 @@ def test_tp2_over_gloo_matches_tp1(tmp_path):
     assert tp2["world_size"] == 2 and tp2["heads_per_rank"] == 2
     assert tp2["speculative_tokens"] == tp2["tokens"], "speculative decoding under TP=2 is lossless"
     assert sum(map(sum, tp2["accepted"])) > 0, "the leader's draft was used"
+    assert tp2["tree_tokens"] == tp2["tokens"], "tree drafting under TP=2 is lossless"
 
     engine = Engine.from_pretrained(TINY_TARGET, page_size=16)
     tp1 = engine.score(prompts, layers=[-1], topk=16)

@@ -138,17 +138,20 @@ def test_sampling_distribution_equals_the_target(random_draft, request, draft):
         make = lambda e: head_drafter(e, load_head(run.parent / "run" / "heads" / draft))  # noqa: E731
     spec = decode([prompt] * 600, make, 2, 64, params=params)
     for position in (1, 2):
-        a = Counter(r.tokens[position] for r in plain)
-        b = Counter(r.tokens[position] for r in spec)
-        common = [t for t in set(a) | set(b) if a[t] + b[t] >= 20]
-        rest_a = 600 - sum(a[t] for t in common)
-        rest_b = 600 - sum(b[t] for t in common)
-        cells = [(a[t], b[t]) for t in common] + [(rest_a, rest_b)]
-        chi2 = sum((x - y) ** 2 / (x + y) for x, y in cells if x + y)  # two equal-size samples
-        dof = len(cells) - 1
-        # p = 0.001 critical value, Wilson-Hilferty approximation
-        critical = dof * (1 - 2 / (9 * dof) + 3.09 * (2 / (9 * dof)) ** 0.5) ** 3
-        assert chi2 < critical, (position, chi2, critical, dof)
+        chi2, critical = chi_square_two_samples([r.tokens[position] for r in plain], [r.tokens[position] for r in spec])
+        assert chi2 < critical, (position, chi2, critical)
+
+
+def chi_square_two_samples(a_tokens: list[int], b_tokens: list[int]) -> tuple[float, float]:
+    """Pearson's chi-square of two equal-size samples of tokens (tokens seen fewer than 20 times pooled) and its
+    critical value at p = 0.001 (Wilson-Hilferty approximation)."""
+    a, b = Counter(a_tokens), Counter(b_tokens)
+    common = [t for t in set(a) | set(b) if a[t] + b[t] >= 20]
+    cells = [(a[t], b[t]) for t in common] + [(len(a_tokens) - sum(a[t] for t in common),
+                                               len(b_tokens) - sum(b[t] for t in common))]
+    chi2 = sum((x - y) ** 2 / (x + y) for x, y in cells if x + y)
+    dof = len(cells) - 1
+    return chi2, dof * (1 - 2 / (9 * dof) + 3.09 * (2 / (9 * dof)) ** 0.5) ** 3
 
 
 def test_a_broken_acceptance_rule_is_counted_as_greedy_violations(prompts, monkeypatch):

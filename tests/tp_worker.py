@@ -13,6 +13,8 @@ from mtp_train.runtime.engine import Engine
 from mtp_train.runtime.drafters import DraftModelDrafter
 from mtp_train.runtime.speculative import SpeculativeDecoder
 from mtp_train.runtime.sampling import SamplingParams
+from mtp_train.runtime.tree import TreeShape
+from mtp_train.runtime.tree_decoder import TreeDecoder
 
 
 def main(target: str, prompts_file: str, out_file: str, tp_size: int) -> None:
@@ -26,6 +28,8 @@ def main(target: str, prompts_file: str, out_file: str, tp_size: int) -> None:
     # Speculative decoding under TP: the draft (the target itself, unsharded) runs on the leader only.
     drafter = DraftModelDrafter(engine, load_transformer(Path(target)))
     speculative = SpeculativeDecoder(engine, drafter, 3).generate(prompts, SamplingParams(max_new_tokens=16, stop_token_ids=()))
+    tree = TreeDecoder(engine, drafter, TreeShape(2, 3, 5)).generate(prompts, SamplingParams(max_new_tokens=16,
+                                                                                               stop_token_ids=()))
     if tp.is_leader:
         torch.save(
             {
@@ -38,6 +42,7 @@ def main(target: str, prompts_file: str, out_file: str, tp_size: int) -> None:
                 "tokens": [r.tokens for r in generated],
                 "speculative_tokens": [r.tokens for r in speculative],
                 "accepted": [r.stats.accepted for r in speculative],
+                "tree_tokens": [r.tokens for r in tree],
             },
             out_file,
         )

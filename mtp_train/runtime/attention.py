@@ -38,7 +38,7 @@ class _Group:
     (``P`` pages hold the group's longest; page 0 stands in past a sequence's last page), so keys are read a whole
     page at a time; ``mask [G, 1, Q, P*page_size]`` lets query i of sequence g (absolute position
     ``kv_len - Q + i``) see keys at positions ``<= its own`` and, with a sliding window, ``> its own - window``;
-    not ``causal``, every query sees every key up to ``kv_len``.
+    not ``causal``, every query sees every key up to ``kv_len``; in a tree (``meta.tree``), the keys its bits name.
     """
 
     def __init__(self, meta: BatchMetadata, seqs: list[int], q_len: int, sliding_window: int | None,
@@ -68,6 +68,11 @@ class _Group:
         mask = key_valid[:, None, :] & (key_pos[None, None, :] <= q_pos[:, :, None])
         if sliding_window is not None:
             mask &= key_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+        if meta.tree is not None:  # a tree: the context, then each query's ancestors and itself
+            for row, b in enumerate(seqs):
+                start, bits = meta.tree.prefix[b], meta.tree.bits[b]
+                mask[row, :, start:] = False
+                mask[row, :, start : start + bits.shape[1]] = bits
         # Additive float mask, built once per step rather than converted from bool in every layer.
         self.mask = torch.zeros(mask.shape, device=dev).masked_fill_(~mask, float("-inf"))[:, None]
 
@@ -109,7 +114,7 @@ class TorchStep:
         by_len: dict[int, list[int]] = {}
         for b, kv_len in enumerate(kv_lens):
             q_len = bounds[b + 1] - bounds[b]
-            if sliding_window is None and q_len == kv_len:
+            if sliding_window is None and q_len == kv_len and meta.tree is None:
                 self.fresh.append((bounds[b], bounds[b + 1]))
             else:
                 by_len.setdefault(q_len, []).append(b)

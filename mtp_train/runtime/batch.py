@@ -15,6 +15,16 @@ from mtp_train.runtime.device import to_device
 
 
 @dataclass(frozen=True)
+class TreeMask:
+    """Attention among a speculative tree's tokens, where slot order is not ancestry: query i of sequence b sees
+    every key before slot ``prefix[b]`` (its context) and, of the keys from ``prefix[b]`` on, those where
+    ``bits[b][i, j]`` (``[q_b, kv_len_b - prefix[b]]`` bool on the device: its ancestors and itself)."""
+
+    prefix: list[int]
+    bits: list[torch.Tensor]
+
+
+@dataclass(frozen=True)
 class BatchMetadata:
     """One forward over B sequences with T new tokens in total, packed without padding.
 
@@ -27,7 +37,9 @@ class BatchMetadata:
     - ``slot_mapping [T]`` int64: flat cache slot (``page * page_size + offset``) of each new token.
 
     A prefill has ``q_len == kv_len``; a decode has ``q_len == 1``; a speculative verify has
-    ``q_len == k + 1``. One batch may mix them.
+    ``q_len == k + 1``. One batch may mix them. A tree's tokens (``tree``) take consecutive slots but their
+    positions are their depths in the tree: ``positions`` are then what the model's rotary embedding reads, the
+    slots follow ``kv_lens`` alone.
 
     ``host_qo_indptr [B+1]``, ``host_kv_lens [B]``, ``host_page_indptr [B+1]``, ``host_last_page_len [B]`` are
     the same arrays on the host (int32; pinned on CUDA), for planners that run there.
@@ -46,6 +58,7 @@ class BatchMetadata:
     host_kv_lens: torch.Tensor
     host_page_indptr: torch.Tensor
     host_last_page_len: torch.Tensor
+    tree: TreeMask | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -63,11 +76,15 @@ def build_batch(
     page_tables: list[list[int]],
     page_size: int,
     device: torch.device,
+    positions: torch.Tensor | None = None,
+    tree: TreeMask | None = None,
 ) -> BatchMetadata:
     """Metadata for sequences that already hold ``cached_lens[b]`` tokens and append ``new_tokens[b]``: lists of
     ids on the host, or ``[n_b]`` int64 tensors already on ``device`` (a draft chain's own samples).
 
     ``page_tables[b]`` must already have room for all ``cached_lens[b] + len(new_tokens[b])`` tokens.
+    ``positions [T]`` int64 (on the host, or already on ``device``): the tokens' positions where they are not their
+    slots (a tree's).
     """
     on_device = bool(new_tokens) and isinstance(new_tokens[0], torch.Tensor)
     q_lens = torch.tensor([len(t) for t in new_tokens], dtype=torch.int64)
@@ -82,9 +99,11 @@ def build_batch(
 
     num_tokens = int(qo_indptr[-1])
     seq_of_token = torch.repeat_interleave(torch.arange(len(new_tokens)), q_lens, output_size=num_tokens)
-    positions = torch.arange(num_tokens) - qo_indptr[seq_of_token] + cached[seq_of_token]
-    page_of_token = page_indices[page_indptr[seq_of_token] + positions // page_size]
-    slot_mapping = page_of_token * page_size + positions % page_size
+    slots = torch.arange(num_tokens) - qo_indptr[seq_of_token] + cached[seq_of_token]
+    page_of_token = page_indices[page_indptr[seq_of_token] + slots // page_size]
+    slot_mapping = page_of_token * page_size + slots % page_size
+    given = positions  # (moved below unless it is on the device already)
+    positions = slots if given is None or given.device != torch.device("cpu") else given
     last_page_len = (kv_lens - 1) % page_size + 1
     tokens = torch.cat(new_tokens) if on_device else torch.tensor([t for seq in new_tokens for t in seq],
                                                                     dtype=torch.int64)
@@ -97,9 +116,11 @@ def build_batch(
              for name in ("qo_indptr", "kv_lens", "page_indptr", "last_page_len")}
     int32 = {"qo_indptr", "kv_lens", "page_indptr", "page_indices", "last_page_len"}
     fields = {name: t.to(torch.int32) if name in int32 else t for name, t in moved.items()}
+    if given is not None and given.device != torch.device("cpu"):
+        fields["positions"] = given
     return BatchMetadata(
         tokens=fields.pop("tokens", tokens), **fields, page_size=page_size,
-        **{f"host_{name}": t for name, t in small.items()},
+        **{f"host_{name}": t for name, t in small.items()}, tree=tree,
     )
 
 

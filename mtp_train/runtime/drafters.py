@@ -30,12 +30,13 @@ from mtp_train.heads.dflash import DFlashHead
 from mtp_train.models.parts import Linear
 from mtp_train.models.transformer import Transformer
 from mtp_train.runtime.attention import select_backend
-from mtp_train.runtime.batch import build_batch
+from mtp_train.runtime.batch import TreeMask, build_batch
 from mtp_train.runtime.device import to_device
 from mtp_train.runtime.engine import Engine
 from mtp_train.runtime.kv_cache import KVPool, PageAllocator
 from mtp_train.runtime.sequence import Sequence
 from mtp_train.runtime.small_batch import tune
+from mtp_train.runtime.tree import ChildLogits, TreeShape
 
 
 @dataclass
@@ -116,6 +117,39 @@ class Drafter:
         logits, fed_back = self.logits(last), self.feedback(last)
         for i, f in enumerate(feeds):
             self.carried[f.seq.request_id] = (logits[i], fed_back[i])
+
+
+    def tree_start(self, batch: list[tuple[Sequence, int]], shape: TreeShape) -> tuple[torch.Tensor, ChildLogits]:
+        """Leader: the logits ``[B, V]`` of each sequence's first draft (carried) and the forwards of its tree's
+        expanded nodes (``tree.build_tree``), each reading its parent's output (the root's: the carried one)."""
+        seqs = [seq for seq, _ in batch]
+        first = torch.stack([self.carried[s.request_id][0] for s in seqs])
+        root = torch.stack([self.carried[s.request_id][1] for s in seqs])
+        fed_back = root.new_zeros((len(seqs), shape.expanded, root.shape[-1]))
+        fed_back[:, 0] = root
+        rows = torch.arange(len(seqs), device=root.device)[:, None]
+
+        def child_logits(level, tokens, expanded, parents, sees):
+            logits, out = self.tree_forward(seqs, level, tokens, fed_back[rows, parents], sees)
+            fed_back[rows, expanded] = out
+            return logits
+
+        return first, child_logits
+
+    def tree_forward(self, seqs: list[Sequence], level: int, tokens: torch.Tensor, hidden: torch.Tensor,
+                     sees: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward over the K tree nodes per sequence expanded at depth ``level``: ``tokens [B, K]``, their
+        parents' outputs ``hidden [B, K, H]``, at the slots after the K of each shallower level (past what the
+        draft holds), the position after their parents', attending to the draft's context and the slots ``sees
+        [B, K, level * K]`` names -> their logits ``[B, K, V]`` and what their children read ``[B, K, H]``."""
+        batch, k = tokens.shape
+        valid = [self.valid(seq) for seq in seqs]
+        last = self.engine.cfg.max_positions - 1  # (past a sequence's last position, its nodes are never accepted)
+        positions = torch.tensor([min(v + level - 1, last) for v in valid]).repeat_interleave(k)
+        meta = build_batch(list(tokens), [v + (level - 1) * k for v in valid], [s.draft_pages.pages for s in seqs],
+                           self.allocator.page_size, self.engine.device, positions, TreeMask(valid, list(sees)))
+        out = self.run(meta.tokens, meta.positions, hidden.flatten(0, 1), self.backend.plan(meta, *self.heads))
+        return self.logits(out).view(batch, k, -1), self.feedback(out).view(batch, k, -1)
 
 
 class TokenDrafter(Drafter):
@@ -257,6 +291,13 @@ class BlockDrafter(HeadDrafter):
         return self.logits(out[to_device(torch.tensor(rows), out.device).view(-1)]).view(len(batch), k, -1)
 
 
+    def tree_start(self, batch: list[tuple[Sequence, int]], shape: TreeShape) -> tuple[torch.Tensor, ChildLogits]:
+        """One block of ``shape.depth`` drafts: every node at depth d draws its children from the block's position
+        d + 1 (the block's drafts do not depend on each other), so the tree costs this one forward."""
+        block = self.block_logits(batch, shape.depth)  # [B, depth, V]
+        return block[:, 0], lambda level, tokens, *_: block[:, level, None].expand(-1, tokens.shape[1], -1)
+
+
 def head_drafter(engine: Engine, head: DraftHead, vocab: torch.Tensor | None = None, name: str | None = None
                  ) -> HeadDrafter:
     """The drafter of a trained head: a block drafter for a dflash head, a chain for the others."""
@@ -287,6 +328,15 @@ class BigramDrafter(TokenDrafter):
     def kv_config(self):
         return self.engine.cfg
 
+    def tree_forward(self, seqs, level, tokens, hidden, sees):
+        logits = self._successor_logits(tokens.reshape(-1)).view(*tokens.shape, -1)
+        return logits, logits
+
+    def _successor_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids [N]`` -> ``[N, V]``: 0 at each id's successor, -inf elsewhere."""
+        logits = torch.full((ids.numel(), self.engine.cfg.vocab_size), float("-inf"), device=ids.device)
+        return logits.scatter_(1, self.successor[ids][:, None], 0.0)
+
     def forward(self, feeds: list[Feed]) -> None:
         if not self.leader:
             return
@@ -294,7 +344,6 @@ class BigramDrafter(TokenDrafter):
             return
         device, last = self.engine.device, [f.tokens[-1:] for f in feeds]
         ids = torch.cat(last) if isinstance(last[0], torch.Tensor) else to_device(torch.tensor(last).view(-1), device)
-        logits = torch.full((len(feeds), self.engine.cfg.vocab_size), float("-inf"), device=device)
-        logits.scatter_(1, self.successor[ids][:, None], 0.0)
+        logits = self._successor_logits(ids)
         for i, f in enumerate(feeds):
             self.carried[f.seq.request_id] = (logits[i], logits[i])

@@ -26,7 +26,7 @@ from mtp_train.models.tp import TensorParallel
 from mtp_train.recipe import TargetConfig
 from mtp_train.models.transformer import Transformer
 from mtp_train.runtime.attention import select_backend
-from mtp_train.runtime.batch import BatchMetadata, build_batch
+from mtp_train.runtime.batch import BatchMetadata, TreeMask, build_batch
 from mtp_train.runtime.host_memory import keep_freed_memory
 from mtp_train.runtime.kv_cache import KVPool, OutOfPages, PageAllocator
 from mtp_train.runtime.sampling import SamplingParams, sample
@@ -162,9 +162,11 @@ class Engine:
             self.allocator.reserve(seq.pages, len(new))
 
     def forward(
-        self, scheduled: list[tuple[Sequence, list[int]]], capture: list[int] = ()
+        self, scheduled: list[tuple[Sequence, list[int]]], capture: list[int] = (),
+        positions: torch.Tensor | None = None, tree: TreeMask | None = None,
     ) -> tuple[BatchMetadata, torch.Tensor, list[torch.Tensor]]:
-        """Forward each sequence's new tokens (prefill, decode or verify), whose pages are reserved.
+        """Forward each sequence's new tokens (prefill, decode or verify), whose pages are reserved; a tree's
+        verify gives their ``positions`` and ``tree`` mask (``build_batch``).
 
         Returns the packed batch, the pre-norm hidden states ``[T, H]`` and the outputs of the ``capture`` layers.
         """
@@ -174,6 +176,8 @@ class Engine:
             [seq.pages.pages for seq, _ in scheduled],
             self.allocator.page_size,
             self.device,
+            positions,
+            tree,
         )
         cfg = self.cfg
         plan = self.backend.plan(meta, cfg.num_heads // self.tp.size, cfg.num_kv_heads // self.tp.size, cfg.head_dim)

@@ -1,7 +1,7 @@
 """FlashInfer attention on CUDA: paged prefill/append wrapper (plan once per step, run per layer).
 
 Imported only when the flashinfer backend is selected. Every batch kind (prefill, decode, verify, a DFlash block,
-which is not causal) is an "append" over paged KV, so one wrapper serves them all. Index arrays are int32; the plan takes
+which is not causal, a tree with its custom mask) is an "append" over paged KV, so one wrapper serves them all. Index arrays are int32; the plan takes
 the per-sequence arrays from the host (``BatchMetadata.host_*``) and the page indices from the device.
 """
 
@@ -34,7 +34,8 @@ class FlashInferStep:
             num_kv_heads,
             head_dim,
             meta.page_size,
-            causal=causal,
+            causal=causal and meta.tree is None,
+            custom_mask=None if meta.tree is None else _custom_mask(meta),
             window_left=-1 if backend.sliding_window is None else backend.sliding_window - 1,
             q_data_type=backend.dtype,
             kv_data_type=backend.dtype,
@@ -56,6 +57,15 @@ class FlashInferStep:
     ) -> torch.Tensor:
         self.write(k, v, k_cache, v_cache)
         return self.wrapper.run(q.to(k_cache.dtype), (k_cache, v_cache)).to(q.dtype)
+
+
+def _custom_mask(meta: BatchMetadata) -> torch.Tensor:
+    """A tree's mask as FlashInfer's ``custom_mask``: each sequence's ``[q_len, kv_len]`` bool, flattened, in order
+    (every query sees the context before ``prefix``, then what its bits name)."""
+    tree, parts = meta.tree, []
+    for prefix, bits in zip(tree.prefix, tree.bits):
+        parts.append(torch.cat([bits.new_ones((bits.shape[0], prefix)), bits], 1).view(-1))
+    return torch.cat(parts)
 
 
 class FlashInferAttention:

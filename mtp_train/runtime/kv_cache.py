@@ -80,6 +80,15 @@ class KVPool:
         self.v = torch.zeros((*pages, v_dim), dtype=dtype, device=device)
         self.layers = [(self.k[i], self.v[i]) for i in range(cfg.num_layers)]  # per-layer views
 
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the K/V of flat slots ``src [N]`` to slots ``dst [N]`` (int64 on the pool's device) in every layer,
+        all read before any is written: a tree's accepted path packed behind its context."""
+        for cache in (self.k, self.v):
+            if cache.numel() == 0:  # (an MLA pool's v)
+                continue
+            flat = cache.view(cache.shape[0], -1, *cache.shape[3:])
+            flat[:, dst] = flat[:, src]
+
     @staticmethod
     def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, tp_size: int) -> int:
         """What one token slot of this pool takes on one rank, all layers."""

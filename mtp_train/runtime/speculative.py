@@ -84,7 +84,7 @@ class SpeculativeDecoder:
         scheduler, seqs = self.engine.start(prompts, params, draft_allocator=self.drafter.allocator)
         page = self.engine.allocator.page_size
         for seq in seqs:  # room for one sequence alone, with a step of drafts, guarantees progress
-            if len(seq.tokens) + seq.params.max_new_tokens + self.k + 1 + page > self.engine.allocator.num_pages * page:
+            if len(seq.tokens) + seq.params.max_new_tokens + self._slots(self.k)[0] + page > self.engine.allocator.num_pages * page:
                 raise UserError(f"request {seq.request_id}: too long for the KV cache with a draft; raise the KV budget")
         clock = RegionClock(self.engine.device)
         while not scheduler.done:
@@ -143,17 +143,22 @@ class SpeculativeDecoder:
         so that a batch drafts one k and acceptance is counted alike (``stats.accepted``, ``stats.drafted``)."""
         return max(0, min(self.k, self.engine.cfg.max_positions - len(seq.tokens) - 1))
 
+    def _slots(self, k: int) -> tuple[int, int]:
+        """The target's and the draft's slots a step with k drafts writes past what each holds: k + 1 each."""
+        return k + 1, k + 1
+
     def _reserve(self, scheduler: Scheduler) -> Batch:
-        """Pages for k+1 target and draft positions per running sequence; preempts from the back when short."""
+        """Pages for a step's target and draft slots per running sequence; preempts from the back when short."""
         alloc, draft_alloc, batch = self.engine.allocator, self.drafter.allocator, []
         for seq in list(scheduler.running):
             k = self._k_for(seq)
-            while seq.status is Status.RUNNING and (alloc.pages_needed(seq.pages, k + 1) > alloc.num_free
-                                                    or draft_alloc.pages_needed(seq.draft_pages, k + 1) > draft_alloc.num_free):
+            target, draft = self._slots(k)
+            while seq.status is Status.RUNNING and (alloc.pages_needed(seq.pages, target) > alloc.num_free
+                                                    or draft_alloc.pages_needed(seq.draft_pages, draft) > draft_alloc.num_free):
                 scheduler.preempt(scheduler.running[-1])
             if seq.status is Status.RUNNING:
-                alloc.reserve(seq.pages, k + 1)
-                draft_alloc.reserve(seq.draft_pages, k + 1)
+                alloc.reserve(seq.pages, target)
+                draft_alloc.reserve(seq.draft_pages, draft)
                 batch.append((seq, k))
         return [(seq, k) for seq, k in batch if seq.status is Status.RUNNING]
 
@@ -213,6 +218,24 @@ class SpeculativeDecoder:
             accepted, token = accept_batch(drafts, qs, p, lens, u[:, k : 2 * k], u[:, 2 * k])
         return torch.cat([accepted[:, None], token[:, None], drafts, own], 1)
 
+    def _emit(self, scheduler: Scheduler, seq: Sequence, kept: list[int], token: int, drafted: int) -> bool:
+        """Append a step's ``kept`` drafts and ``token`` to ``seq`` and count the step; ``True`` when it finished
+        (then retired)."""
+        emitted = 0
+        for t in kept + [token]:
+            seq.append(t, self.engine.cfg.max_positions)
+            emitted += 1
+            if seq.status is Status.FINISHED:
+                break
+        seq.stats.forward_steps += 1
+        seq.stats.accepted.append(len(kept))
+        seq.stats.emitted.append(emitted)
+        seq.stats.drafted.append(drafted)
+        if seq.status is Status.FINISHED:
+            scheduler.retire(seq)
+            return True
+        return False
+
     def _spec_step(self, scheduler: Scheduler, clock: RegionClock) -> bool:
         """One draft-and-verify step over the running sequences; ``False`` when preemption left none to run."""
         engine, tp = self.engine, self.engine.tp
@@ -246,18 +269,7 @@ class SpeculativeDecoder:
                 own = row[2 + k : 3 + k + a]
                 self.greedy_violations += sum(x != y for x, y in zip(drafted[:a] + [token], own))
             n = len(seq.tokens)
-            emitted = 0
-            for t in drafted[:a] + [token]:
-                seq.append(t, engine.cfg.max_positions)
-                emitted += 1
-                if seq.status is Status.FINISHED:
-                    break
-            seq.stats.forward_steps += 1
-            seq.stats.accepted.append(a)
-            seq.stats.emitted.append(emitted)
-            seq.stats.drafted.append(k_b)
-            if seq.status is Status.FINISHED:
-                scheduler.retire(seq)
+            if self._emit(scheduler, seq, drafted[:a], token, k_b):
                 continue
             engine.allocator.truncate(seq.pages, n + a)  # target K/V: positions 0..n+a-1 are verified
             start = bounds[b]
