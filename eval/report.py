@@ -99,8 +99,21 @@ class Group(BaseModel):
 
 
 
+class TreeSetting(BaseModel):
+    """A draft tree's shape (``eval.trees``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    topk: int
+    depth: int
+    draft_tokens: int
+
+    def describe(self) -> str:
+        return f"topk {self.topk}, depth {self.depth}, {self.draft_tokens} tokens"
+
+
 class SweepPoint(BaseModel):
-    """One eval run at one (k, temperature)."""
+    """One eval run at one (k, temperature), or of one tree (``tree``; k is then its depth)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -132,6 +145,7 @@ class SweepPoint(BaseModel):
     """At T = 0: prompts whose speculative output differs from plain decoding (near-ties included)."""
     engine_acceptance: EngineAcceptance | None = None
     """The same run counted as vLLM counts it; ``None`` in reports that predate it."""
+    tree: TreeSetting | None = None
 
 
 class Sample(BaseModel):
@@ -154,6 +168,7 @@ class Comparison(BaseModel):
 
     name: str
     sweep: list[SweepPoint]
+    tree_sweep: list[SweepPoint] = Field(default_factory=list)
 
 
 class BaselineDiff(BaseModel):
@@ -211,6 +226,8 @@ class Report(BaseModel):
     val_mismatch: bool
     # Everything measured, the context.
     sweep: list[SweepPoint]
+    tree_sweep: list[SweepPoint] = Field(default_factory=list)
+    """The draft trees of ``eval.trees``, at each temperature; empty where none were asked for."""
     comparisons: list[Comparison] = Field(default_factory=list)
     samples: list[Sample] = Field(default_factory=list)
     head_convention: str | None = None

@@ -9,9 +9,10 @@ Conventions: tau counts the tokens emitted per target verification step, bonus t
 decoding has tau = 1); the prefill step's token is not a verification step. The draft cost ratio c is the
 mean wall time of one batched draft forward in decode steps over that of one plain decode step (a step in
 which every sequence decodes one token), both in this runtime at the same batch size, after a warm-up
-(:mod:`mtp_train.eval.timing`); v, the verify cost ratio, is a speculative step's time outside its drafts over the same
-plain decode step. Lossless at T = 0 is :mod:`mtp_train.eval.lossless`'s check. The headline is the lowest-temperature
-sweep point with the highest expected speedup tau / (v + k c).
+(:mod:`mtp_train.eval.timing`); v, the verify cost ratio, is the target's forward over a step's tokens, timed alone
+outside the speculative loop (:mod:`mtp_train.eval.verify_probe`), over the same plain decode step. Trees
+(``eval.trees``) sweep beside the chains. Lossless at T = 0 is :mod:`mtp_train.eval.lossless`'s check. The headline
+is the lowest-temperature chain with the highest measured speedup.
 """
 
 from __future__ import annotations
@@ -30,19 +31,23 @@ from mtp_train.eval.lossless import LosslessCheck, check_lossless, check_name, s
 from mtp_train.eval.metrics import LosslessVerdict, PointTiming, RequestTrace, sweep_point
 from mtp_train.eval.prompts import EvalPrompt
 from mtp_train.eval.render import keep_previous, write_report
-from mtp_train.eval.report import FILES, Comparison, Report, SweepPoint, load_report
+from mtp_train.eval.report import FILES, Comparison, Report, SweepPoint, TreeSetting, load_report
 from mtp_train.eval.samples import pick_samples
 from mtp_train.eval.timing import plain_decode, step_costs, timed_generate, warm_up
+from mtp_train.eval.verify_probe import verify_forward_s
 from mtp_train.errors import UserError
 from mtp_train.heads.conventions import validity_line
 from mtp_train.lock import exclusive, rank_lock
 from mtp_train.progress import Progress
 from mtp_train.recipe import Recipe
+from mtp_train.recipe_eval import EvalConfig
 from mtp_train.runtime.engine import Engine
 from mtp_train.runtime.sampling import SamplingParams
 from mtp_train.runtime.sequence import Sequence, Status
 from mtp_train.runtime.drafters import Drafter, HeadDrafter
 from mtp_train.runtime.speculative import SpeculativeDecoder
+from mtp_train.runtime.tree import TreeShape
+from mtp_train.runtime.tree_decoder import TreeDecoder
 from mtp_train.threads import set_threads, warn_if_oversubscribed
 from mtp_train.features.manifest import target_fingerprint, text_fingerprint
 
@@ -117,7 +122,7 @@ def _evaluate(recipe: Recipe, key: str, old: Report | None, baseline: Path | Non
     plain = _plain_runs(recipe, engine, prompts, token_ids)
     checks: list[LosslessCheck] = []  # one per T = 0 sweep point of every draft
     replies: dict[tuple[int, float], list[list[int]]] = {}  # (k, T) -> the head's output tokens per prompt
-    sweep = _sweep(engine, drafter, prompts, token_ids, plain, e.k, checks, replies)
+    sweep, trees = _sweep(engine, drafter, prompts, token_ids, plain, e, checks, replies)
     comparisons = _comparisons(recipe, engine, drafter, others, prompts, token_ids, plain, checks)
     verdict = summarize(checks, check_name(engine))
     validation = head_validation() if head_validation else None  # collective: every rank scores
@@ -128,7 +133,7 @@ def _evaluate(recipe: Recipe, key: str, old: Report | None, baseline: Path | Non
                           lossless=verdict.pop("lossless"), lossless_detail=verdict.pop("lossless_detail"),
                           validation=validation)
     report = assemble_report(recipe, sweep, context)
-    report.comparisons = comparisons
+    report.tree_sweep, report.comparisons = trees, comparisons
     for name, value in verdict.items():
         setattr(report, name, value)
     if isinstance(drafter, HeadDrafter):
@@ -197,47 +202,70 @@ def _comparisons(recipe: Recipe, engine: Engine, drafter: Drafter, others: dict[
     vocab = drafter.vocab if own else draft_vocab(recipe, engine.cfg.vocab_size)
     for name in recipe.eval.compare:
         other = other_drafter(engine, name, others[name], vocab)
-        points = _sweep(engine, other, prompts, token_ids, plain, recipe.eval.k, checks)
-        comparisons.append(Comparison(name=name, sweep=points))
+        points, trees = _sweep(engine, other, prompts, token_ids, plain, recipe.eval, checks)
+        comparisons.append(Comparison(name=name, sweep=points, tree_sweep=trees))
     return comparisons
 
 
-def _sweep(engine: Engine, drafter: Drafter, prompts, token_ids, plain: dict, ks: list[int],
-           checks: list[LosslessCheck], replies: dict | None = None) -> list[SweepPoint]:
-    """Speculative decoding at every k and each temperature of ``plain`` (its params, results, timing), after an
-    untimed warm-up of this draft. Each temperature-0 point adds its lossless check to ``checks``; with
-    ``replies``, each point's output tokens are kept there under ``(k, T)``."""
-    warm_up(engine, drafter, token_ids, max(ks), list(plain))
-    points = []
+def _sweep(engine: Engine, drafter: Drafter, prompts, token_ids, plain: dict, e: EvalConfig,
+           checks: list[LosslessCheck], replies: dict | None = None) -> tuple[list[SweepPoint], list[SweepPoint]]:
+    """Speculative decoding at every k (chains) and every tree of ``e``, at each temperature of ``plain`` (its
+    params, results, timing), after an untimed warm-up of this draft. Each temperature-0 point adds its lossless
+    check to ``checks``; with ``replies``, each chain's output tokens are kept there under ``(k, T)``."""
+    shapes = [TreeShape(t.topk, t.depth, t.draft_tokens) for t in e.trees]
+    warm_up(engine, drafter, token_ids, max(e.k), list(plain), shapes)
+    verify = verify_forward_s(engine, _contexts(token_ids, next(iter(plain.values()))[1], e.batch_size),
+                              [(k + 1, False) for k in e.k] + [(s.draft_tokens, True) for s in shapes], drafter.capture)
+    chains, trees = [], []
     for temperature, (params, reference, timing) in plain.items():
-        for k in ks:
+        for k in e.k:
             decoder = SpeculativeDecoder(engine, drafter, k)
-            progress = Progress(f"eval: {drafter.name} k={k} T={temperature:g}", len(prompts), "prompts",
-                                enabled=engine.tp.is_leader, summary=False)  # the line below sums it up
-            results, spec_s = timed_generate(decoder, token_ids, params, lambda seqs: _advance(progress, seqs))
-            progress.close()
+            point, tokens = _point(engine, decoder, f"k={k}", prompts, token_ids, params, reference, timing, checks,
+                                   verify[k + 1, False])
+            chains.append(point)
             if replies is not None:
-                replies[k, temperature] = [r.tokens for r in results]
-            check = None
-            if temperature == 0:
-                check = check_lossless(engine, f"{drafter.name}, k={k}", [p.prompt_id for p in prompts], token_ids,
-                                       reference, results, decoder.greedy_violations)
-                checks.append(check)
-            c, v, cost = step_costs(decoder.timings, timing)
-            verdict = LosslessVerdict() if check is None else LosslessVerdict(
-                check.lossless, check.greedy_violations, len(check.divergences))
-            point = sweep_point(k, temperature, request_traces(prompts, token_ids, results),
-                                PointTiming(c, timing.wall_s / spec_s, v, cost), verdict,
-                                forwards=drafter.forwards_per_step)
-            points.append(point)
-            if engine.tp.is_leader:
-                print(f"eval: {drafter.name} k={k} T={temperature:g}: tau {point.tau:.3f}, alpha "
-                      f"{[round(a, 3) for a in point.alpha]}, c {c:.3f} ({cost.draft_forward_ms:.3f} ms / "
-                      f"{cost.plain_decode_step_ms:.3f} ms), v {'n/a' if v is None else f'{v:.3f}'}, "
-                      f"expected x{point.expected_speedup:.2f}, "
-                      f"measured x{point.measured_speedup:.2f}"
-                      + ("" if check is None else f", lossless {check.lossless}"), file=sys.stderr)
-    return points
+                replies[k, temperature] = tokens
+        for shape in shapes:
+            decoder = TreeDecoder(engine, drafter, shape)
+            point, _ = _point(engine, decoder, f"tree {shape.describe()}", prompts, token_ids, params, reference,
+                              timing, checks, verify[shape.draft_tokens, True])
+            point.tree = TreeSetting(topk=shape.topk, depth=shape.depth, draft_tokens=shape.draft_tokens)
+            trees.append(point)
+    return chains, trees
+
+
+def _contexts(token_ids: list[list[int]], results, batch: int) -> list[list[int]]:
+    """The verify probe's contexts: the first ``batch`` prompts, each with the first half of its plain reply."""
+    return [ids + r.tokens[: len(r.tokens) // 2] for ids, r in zip(token_ids[:batch], results)]
+
+
+def _point(engine: Engine, decoder: SpeculativeDecoder, label: str, prompts, token_ids, params, reference,
+           timing, checks: list[LosslessCheck], verify_s: float) -> tuple[SweepPoint, list[list[int]]]:
+    """One timed speculative run of every prompt with ``decoder`` at ``params``' temperature: its sweep point (and
+    at T = 0 its lossless check, added to ``checks``) and its output tokens. ``verify_s``: the probe's verify
+    forward for this step's width."""
+    drafter, k, temperature = decoder.drafter, decoder.k, params[0].temperature
+    progress = Progress(f"eval: {drafter.name} {label} T={temperature:g}", len(prompts), "prompts",
+                        enabled=engine.tp.is_leader, summary=False)  # the line below sums it up
+    results, spec_s = timed_generate(decoder, token_ids, params, lambda seqs: _advance(progress, seqs))
+    progress.close()
+    check = None
+    if temperature == 0:
+        check = check_lossless(engine, f"{drafter.name}, {label}", [p.prompt_id for p in prompts], token_ids,
+                               reference, results, decoder.greedy_violations)
+        checks.append(check)
+    c, v, cost = step_costs(decoder.timings, timing, verify_s, spec_s)
+    verdict = LosslessVerdict() if check is None else LosslessVerdict(
+        check.lossless, check.greedy_violations, len(check.divergences))
+    point = sweep_point(k, temperature, request_traces(prompts, token_ids, results),
+                        PointTiming(c, timing.wall_s / spec_s, v, cost), verdict, forwards=drafter.forwards_per_step)
+    if engine.tp.is_leader:
+        print(f"eval: {drafter.name} {label} T={temperature:g}: tau {point.tau:.3f}, alpha "
+              f"{[round(a, 3) for a in point.alpha]}, c {c:.3f} ({cost.draft_forward_ms:.3f} ms / "
+              f"{cost.plain_decode_step_ms:.3f} ms), v {'n/a' if v is None else f'{v:.3f}'}, "
+              f"expected x{point.expected_speedup:.2f}, measured x{point.measured_speedup:.2f}"
+              + ("" if check is None else f", lossless {check.lossless}"), file=sys.stderr)
+    return point, [r.tokens for r in results]
 
 
 def _advance(progress: Progress, seqs: list[Sequence]) -> None:

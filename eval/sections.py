@@ -33,6 +33,7 @@ from mtp_train.eval.report import (
     SweepPoint,
 )
 from mtp_train.eval.step_costs import cost_blocks, cost_terms, speedup_note, verify_cell
+from mtp_train.eval.trees import best_tree_cell, tree_table
 
 __all__ = ["Block", "Section", "sample_blocks", "sections"]
 
@@ -62,7 +63,7 @@ def _signed(x: float, digits: int) -> str:
 
 def _setting(r: Report) -> str:
     """The headline setting, as the titles of the sections measured there name it."""
-    return f"k={r.k}, T={r.temperature:g}"
+    return f"chain k={r.k}, T={r.temperature:g}"
 
 
 def _by_setting(sweep: list[SweepPoint]) -> list[SweepPoint]:
@@ -109,6 +110,7 @@ def _headline_table(r: Report) -> Block:
                                                                            if r.lossless is None else "")],
         ["validation vs trainer", "MISMATCH" if r.val_mismatch else "agree within tolerance"],
         *([["serving conventions", f"{r.head_convention}. {r.serving or ''}".strip()]] if r.head_convention else []),
+        *([["best draft tree (eval.trees)", tree]] if (tree := best_tree_cell(r)) else []),
     ])
 
 
@@ -298,7 +300,7 @@ def context(r: Report) -> Section:
 
 
 STEPS: tuple[Callable[[Report], Section | None], ...] = (
-    headline, diagnosis, alpha_by_position, sweep_table, engine_checks, draft_and_verify_costs,
+    headline, diagnosis, alpha_by_position, sweep_table, tree_table, engine_checks, draft_and_verify_costs,
     by_category, by_prompt_set, by_length, other_drafts,
     validation, lossless_check, text_samples, baseline_comparison, context,
 )

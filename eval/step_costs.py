@@ -25,28 +25,72 @@ def verify_cell(r: Report) -> str:
     point = _headline_point(r)
     if point is None or point.verify_cost_ratio is None or point.cost is None or point.cost.verify_step_ms is None:
         return "not recorded (the expected speedup takes v = 1)"
-    return f"{point.verify_cost_ratio:.3f} ({point.cost.verify_step_ms:.3f} ms / {point.cost.plain_decode_step_ms:.3f} ms)"
+    cost = point.cost
+    verify, what = ((cost.verify_forward_ms, "the verify forward, probed")
+                    if cost.verify_forward_ms is not None else (cost.verify_step_ms, "the step outside its drafts"))
+    return f"{point.verify_cost_ratio:.3f} ({verify:.3f} ms, {what} / {cost.plain_decode_step_ms:.3f} ms)"
+
+
+def _setting(p) -> str:
+    return f"tree {p.tree.describe()}" if getattr(p, "tree", None) is not None else f"k={p.k}"
+
+
+def gap_line(name: str, p) -> str | None:
+    """Where the speculative run's wall time went, against what the prediction counts, and so what its gap to the
+    measured speedup is made of; ``None`` where the report predates the probe."""
+    cost = p.cost
+    if cost is None or cost.verify_forward_ms is None or not cost.spec_wall_s or not p.measured_speedup:
+        return None
+    steps = cost.spec_steps or 0
+    drafts = cost.draft_forwards * cost.draft_forward_ms / 1e3
+    forwards = steps * cost.verify_forward_ms / 1e3
+    bookkeeping = steps * (cost.verify_step_ms - cost.verify_forward_ms) / 1e3
+    outside = cost.spec_wall_s - drafts - steps * cost.verify_step_ms / 1e3
+    plain_outside = cost.plain_wall_s - cost.plain_decode_steps * cost.plain_decode_step_ms / 1e3
+    gap = p.expected_speedup / p.measured_speedup - 1
+    line = (f"{name}, {_setting(p)}, T={p.temperature:g}: expected {p.expected_speedup:.2f}×, measured "
+            f"{p.measured_speedup:.2f}× ({gap:+.0%}). The speculative run's {cost.spec_wall_s:.2f} s: draft forwards "
+            f"{drafts:.2f} s, verify forwards as probed {forwards:.2f} s, acceptance and bookkeeping "
+            f"{bookkeeping:.2f} s, "
+            f"prefill and mixed steps {outside:.2f} s (the plain run's {plain_outside:.2f} s of "
+            f"{cost.plain_wall_s:.2f} s). ")
+    if abs(gap) < 0.1:
+        return line + "The prediction holds within 10%."
+    if bookkeeping >= outside - plain_outside:
+        return line + ("The gap is mostly acceptance and bookkeeping: a step's time outside its drafts exceeds the "
+                       "probed verify forward (the acceptance rule, page bookkeeping, the host's wait).")
+    return line + ("The gap is mostly prefill and mixed steps, which do not speculate and take longer than the plain "
+                   "run's (a draft's catch-up forwards ride on them).")
 
 
 def cost_blocks(r: Report) -> list[tuple]:
-    """The section listing c and v with their terms for every sweep point of every draft."""
-    rows = [[name, str(p.k), f"{p.temperature:g}", str(p.cost.draft_forwards), _ms(p.cost.draft_forward_ms),
+    """The section listing c and v with their terms for every sweep point of every draft, and each draft's best
+    point's account of the gap between its expected and measured speedup."""
+    drafts = [(r.mode, r.sweep + r.tree_sweep)] + [(c.name, c.sweep + c.tree_sweep) for c in r.comparisons]
+    rows = [[name, _setting(p), f"{p.temperature:g}", str(p.cost.draft_forwards), _ms(p.cost.draft_forward_ms),
              f"{p.cost.plain_decode_steps} of {p.cost.plain_steps}", _ms(p.cost.plain_decode_step_ms),
              _ms(p.draft_cost_ratio), "—" if p.cost.spec_steps is None else str(p.cost.spec_steps),
-             _ms(p.cost.verify_step_ms), _ms(p.verify_cost_ratio)]
-            for name, sweep in [(r.mode, r.sweep)] + [(c.name, c.sweep) for c in r.comparisons]
-            for p in sorted(sweep, key=lambda p: (p.temperature, p.k)) if p.cost is not None]
+             _ms(p.cost.verify_forward_ms), _ms(p.cost.verify_step_ms), _ms(p.verify_cost_ratio),
+             _ms(p.expected_speedup), _ms(p.measured_speedup)]
+            for name, sweep in drafts
+            for p in sorted(sweep, key=lambda p: (p.temperature, p.tree is not None, p.k)) if p.cost is not None]
     if not rows:
         return [("p", "This report does not record the terms of c.")]
-    return [("p", "c = mean wall time of one batched draft forward in speculative decode steps / mean wall time of "
-                  "one plain decode step (a step in which every sequence decodes one token; prefill and mixed steps "
-                  "are left out). v = mean wall time of a speculative decode step outside its draft forwards (the "
-                  "target's verify of k + 1 tokens per sequence, acceptance, bookkeeping) / the same plain decode "
-                  "step. The expected speedup is τ / (v + f·c), f = k draft forwards per step for a chain, 2 for a "
-                  "block draft. All after a warm-up, the device synchronized "
-                  "around every timed region."),
-            ("table", ["draft", "k", "T", "draft forwards", "ms / draft forward", "plain decode steps",
-                       "ms / decode step", "c", "speculative steps", "ms / verify", "v"], rows)]
+    gaps = [line for name, sweep in drafts if sweep
+            if (line := gap_line(name, max(sweep, key=lambda p: p.measured_speedup or 0))) is not None]
+    return [("p", "c = mean wall time of one batched draft forward in speculative decode steps (the draft forwards "
+                  "timed alone) / mean wall time of one plain decode step (a step in which every sequence decodes one "
+                  "token; prefill and mixed steps are left out). v = the target's forward over a step's tokens per "
+                  "sequence (k + 1, or a tree's N) with their logits, timed alone outside the speculative loop on "
+                  "contexts from the plain run / the same plain decode step. The expected speedup τ / (v + f·c), f = "
+                  "k draft forwards per step for a chain (a tree's depth), 2 for a block draft, is thus a prediction: "
+                  "the loop's own mean step outside its drafts (ms / step outside drafts) adds acceptance and "
+                  "bookkeeping to the probed verify. All after a warm-up, the device synchronized around every timed "
+                  "region."),
+            ("table", ["draft", "setting", "T", "draft forwards", "ms / draft forward", "plain decode steps",
+                       "ms / decode step", "c", "speculative steps", "ms / verify forward (probe)",
+                       "ms / step outside drafts", "v", "expected", "measured"], rows),
+            *[("p", line) for line in gaps]]
 
 
 def speedup_note(points: list) -> str | None:

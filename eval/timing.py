@@ -1,10 +1,11 @@
 """Wall-clock timing of the eval: plain decoding timed step by step, speculative runs, warm-up, and c.
 
-- **v**, the verify cost ratio = (mean wall time of a speculative decode step outside its draft forwards: the
-  target's forward over k + 1 tokens per sequence, acceptance and bookkeeping) / (mean wall time of one plain
-  decode step). τ / (v + k·c) is then what the decode steps' wall time predicts; v is near 1 where verifying
-  k + 1 tokens costs what decoding one does (a memory-bound target) and grows toward k + 1 where it is
-  compute-bound.
+- **v**, the verify cost ratio = (the target's forward over k + 1 tokens per sequence, or a tree's N, with their
+  logits, timed alone outside the speculative loop on contexts from the plain run: :mod:`mtp_train.eval.verify_probe`)
+  / (mean wall time of one plain decode step). v is near 1 where verifying k + 1 tokens costs what decoding one does
+  (a memory-bound target) and grows toward k + 1 where it is compute-bound. τ / (v + f·c) is then a prediction, not
+  the measured speedup restated: what it leaves out (acceptance and bookkeeping, the loop's mean step outside its
+  drafts against the probe, and prefill and mixed steps) is its gap to the measured one.
 - **c**, the draft cost ratio = (mean wall time of one batched draft forward in speculative decode steps) /
   (mean wall time of one plain **decode** step). A plain decode step is one in which every scheduled sequence
   decodes exactly one token; prefill and mixed steps forward many tokens per sequence, and averaging them in
@@ -33,6 +34,8 @@ from mtp_train.runtime.sampling import SamplingParams
 from mtp_train.runtime.sequence import Sequence
 from mtp_train.runtime.drafters import Drafter
 from mtp_train.runtime.speculative import SpecTimings, SpeculativeDecoder
+from mtp_train.runtime.tree import TreeShape
+from mtp_train.runtime.tree_decoder import TreeDecoder
 
 Clock = Callable[[], float]
 OnStep = Callable[[list[Sequence]], None]
@@ -67,17 +70,24 @@ class PlainTiming:
         return self.decode_s / self.decode_steps if self.decode_steps else 0.0
 
 
-def step_costs(spec: SpecTimings, plain: PlainTiming) -> tuple[float, float | None, DraftCost]:
-    """c, v and the record of their terms. With no plain decode step to divide by, c is 0.0 and v ``None``
-    (nothing to compare); with no speculative step, v is ``None``."""
+def step_costs(spec: SpecTimings, plain: PlainTiming, verify_forward_s: float | None = None,
+               spec_wall_s: float | None = None) -> tuple[float, float | None, DraftCost]:
+    """c, v and the record of their terms. v is the probe's verify forward (``verify_forward_s``, measured outside
+    the speculative loop) over the plain decode step; without a probe, the loop's time outside its drafts. With no
+    plain decode step to divide by, c is 0.0 and v ``None`` (nothing to compare); with no speculative step, v is
+    ``None``."""
     forward_s = spec.draft_s / spec.draft_forwards if spec.draft_forwards else 0.0
     verify_s = spec.verify_s / spec.steps if spec.steps else 0.0
-    c = forward_s / plain.decode_step_s if plain.decode_step_s > 0 else 0.0
-    v = verify_s / plain.decode_step_s if plain.decode_step_s > 0 and spec.steps else None
+    step = plain.decode_step_s
+    c = forward_s / step if step > 0 else 0.0
+    v = (verify_s if verify_forward_s is None else verify_forward_s) / step if step > 0 and spec.steps else None
     record = DraftCost(draft_forwards=spec.draft_forwards, draft_forward_ms=round(forward_s * 1e3, 4),
                        plain_steps=plain.steps, plain_decode_steps=plain.decode_steps,
-                       plain_decode_step_ms=round(plain.decode_step_s * 1e3, 4), spec_steps=spec.steps,
-                       verify_step_ms=round(verify_s * 1e3, 4))
+                       plain_decode_step_ms=round(step * 1e3, 4), spec_steps=spec.steps,
+                       verify_step_ms=round(verify_s * 1e3, 4),
+                       verify_forward_ms=None if verify_forward_s is None else round(verify_forward_s * 1e3, 4),
+                       plain_wall_s=round(plain.wall_s, 4),
+                       spec_wall_s=None if spec_wall_s is None else round(spec_wall_s, 4))
     return c, v, record
 
 
@@ -115,11 +125,14 @@ def timed_generate(decoder: SpeculativeDecoder, prompts: list[list[int]], params
     return results, clock() - t0
 
 
-def warm_up(engine: Engine, drafter: Drafter, prompts: list[list[int]], k: int, temperatures: list[float]) -> None:
+def warm_up(engine: Engine, drafter: Drafter, prompts: list[list[int]], k: int, temperatures: list[float],
+            trees: list[TreeShape] = ()) -> None:
     """An untimed speculative run of ``prompts[:WARM_UP_PROMPTS]`` at each temperature, long enough for a full
-    chain of ``k`` drafts, so that the draft's first forwards are not charged to a timed sweep point."""
+    chain of ``k`` drafts (and for each of ``trees``), so that the draft's first forwards are not charged to a timed
+    sweep point."""
     few = prompts[:WARM_UP_PROMPTS]
     batch = [p for _ in temperatures for p in few]
-    params = [SamplingParams(temperature=t, max_new_tokens=k + 2, seed=i)
-              for t in temperatures for i in range(len(few))]
-    SpeculativeDecoder(engine, drafter, k).generate(batch, params)
+    for decoder in [SpeculativeDecoder(engine, drafter, k)] + [TreeDecoder(engine, drafter, t) for t in trees]:
+        params = [SamplingParams(temperature=t, max_new_tokens=decoder.k + 2, seed=i)
+                  for t in temperatures for i in range(len(few))]
+        decoder.generate(batch, params)

@@ -7,39 +7,22 @@ directory of the recipe file, so a recipe means the same thing from any working 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
     Field,
     NonNegativeFloat,
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
     ValidationError,
-    ValidationInfo,
     model_validator,
 )
 
 from mtp_train.errors import UserError
-
-
-def _resolve(path: Path, info: ValidationInfo) -> Path:
-    base = (info.context or {}).get("base_dir")
-    if base is not None and not path.is_absolute():
-        return (Path(base) / path).resolve()
-    return path
-
-
-RecipePath = Annotated[Path, AfterValidator(_resolve)]
-PROMPT_SETS = ("heldout", "spec_bench", "mt_bench", "humaneval", "gsm8k", "sgd_dev")
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+from mtp_train.recipe_eval import EvalConfig
+from mtp_train.recipe_types import PROMPT_SETS, RecipePath, Section  # noqa: F401 (PROMPT_SETS: the eval's)
 
 
 class TargetConfig(Section):
@@ -238,42 +221,6 @@ class TrainConfig(Section):
         if self.w_hidden == 0 and self.w_logits == 0:
             raise ValueError("w_hidden and w_logits are both 0; set at least one above 0")
         return self
-
-
-class EvalConfig(Section):
-    """Stage 3: speculative decoding and the report."""
-
-    k: list[PositiveInt] = Field([1, 2, 3, 4], min_length=1, description="Draft lengths to sweep.")
-    temperatures: list[NonNegativeFloat] = Field([0.0, 1.0], min_length=1, description="Temperatures to sweep.")
-    prompt_sets: list[Literal[PROMPT_SETS]] = Field(  # type: ignore[valid-type]
-        ["heldout"], min_length=1, description="Prompt sets: " + ", ".join(f"`{s}`" for s in PROMPT_SETS) + "."
-    )
-    max_prompts: PositiveInt = Field(64, description="Prompts used per prompt set.")
-    max_new_tokens: PositiveInt = Field(128, description="Tokens generated per prompt.")
-    batch_size: PositiveInt = Field(8, description="Requests decoded concurrently (plain and speculative alike).")
-    draft: Literal["head", "target_mtp"] = Field(
-        "head", description="The draft to evaluate: `head`, the trained head; `target_mtp`, the target checkpoint's "
-        "own MTP layer (DeepSeek-V3/R1 layout, `num_nextn_predict_layers` >= 1), with no training (the `train` stage "
-        "then trains only the heads `eval.compare` names).",
-    )
-    draft_model: RecipePath | None = Field(
-        None, description="Evaluate draft-target decoding with this HF checkpoint as the draft, instead of the head."
-    )
-    draft_vocab: PositiveInt | None = Field(
-        None, description="Heads draft from the N most frequent assistant tokens of the training features only: "
-        "their lm_head is those N rows of the frozen one, so a draft step reads N rows instead of the vocabulary's "
-        "(verification, and so the output, is unchanged). Null: the full vocabulary.",
-    )
-    compare: list[Literal["mtp", "eagle", "eagle3", "dflash", "bigram", "target_mtp"]] = Field(
-        [], description="Other drafts decoded on the same prompts for comparison: head kinds (trained by the "
-        "`train` stage beside `head.kind`), `bigram`, each token's most frequent successor in the features, and "
-        "`target_mtp`, the target checkpoint's own MTP layer.",
-    )
-    val_tolerance: NonNegativeFloat = Field(
-        0.02, description="Largest relative gap between the runtime's and the trainer's validation loss (and "
-        "absolute gap in top-1) before the report flags an implementation mismatch.",
-    )
-    baseline: RecipePath | None = Field(None, description="A previous `report.json` to compare against.")
 
 
 class Recipe(Section):

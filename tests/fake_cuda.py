@@ -192,6 +192,7 @@ class FakeCudaMode(TorchFunctionMode):
             self.sync(reason)
         if on_cuda and func not in _CROSS_DEVICE and target is None:
             checked = tensors if func not in _INDEXING else [args[0]] + ([args[2]] if len(args) > 2 else [])
+            checked = [t for t in checked if isinstance(t, torch.Tensor)]  # (a scalar set into a tensor)
             if any(not isinstance(t, OnFakeCuda) and t.device.type == "cpu" and t.dim() > 0 for t in checked):
                 raise _mismatch(name)
             generator = kwargs.get("generator")

@@ -131,6 +131,31 @@ def test_a_second_eval_with_other_settings_keeps_the_first(trained_run, tmp_path
     assert f"kept in {kept}" in second.stderr
 
 
+def test_an_eval_sweeps_trees_beside_the_chains(trained_run, tmp_path):
+    """eval.trees: each tree is decoded at every temperature, checked lossless at T = 0, and tabled beside the chain
+    of k = its depth with SGLang's accept length; v comes from the verify forward timed alone, so the expected
+    speedup is a prediction whose gap the cost section accounts for."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_run.parent / "run" / "features", run / "features")
+    shutil.copytree(trained_run.parent / "run" / "heads", run / "heads")
+    proc = run_cli("eval", trained_run, f"output_dir={run}", "eval.k=[2]",
+                   "eval.trees=[{topk: 3, depth: 2, draft_tokens: 5}]", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((run / "eval" / "report.json").read_text())
+    (tree,) = report["tree_sweep"]
+    assert tree["tree"] == {"topk": 3, "depth": 2, "draft_tokens": 5} and tree["k"] == 2
+    assert tree["lossless"] is True and report["lossless"] is True
+    assert tree["engine_acceptance"]["mean_acceptance_length"] >= 1
+    for point in (tree, report["sweep"][0]):
+        cost = point["cost"]
+        assert cost["verify_forward_ms"] > 0 and cost["spec_wall_s"] > 0
+        assert point["verify_cost_ratio"] == pytest.approx(cost["verify_forward_ms"] / cost["plain_decode_step_ms"],
+                                                           abs=1e-3)
+    md = (run / "eval" / "report.md").read_text()
+    assert "## Draft trees against chains" in md and "| mtp | topk 3, depth 2, 5 tokens | 0 |" in md
+    assert "best draft tree (eval.trees)" in md and "The speculative run's" in md
+
+
 def test_eval_under_tensor_parallelism_equals_tp1(trained_run, tmp_path):
     """torchrun with target.tp=2 (gloo): the target is sharded, the head drafts on the leader, same report."""
     import os

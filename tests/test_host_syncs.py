@@ -57,6 +57,24 @@ def test_a_speculative_step_makes_at_most_three_host_syncs(monkeypatch, prompts,
     assert most["_plain_step"] <= SYNC_BUDGET, f"{most['_plain_step']} syncs in a prefill step; the run's: {seen}"
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_tree_step_makes_at_most_three_host_syncs(monkeypatch, prompts, temperature):
+    """A tree of topk 4, depth 3 over 8 sequences: drafting, pruning, the tree-masked verify, acceptance and the
+    K/V move stay on the device."""
+    from mtp_train.runtime.tree import TreeShape
+    from mtp_train.runtime.tree_decoder import TreeDecoder
+
+    with fake_cuda(monkeypatch) as mode:
+        engine = Engine.from_pretrained(TINY_TARGET, device="cuda", page_size=16, max_seqs=8)
+        decoder = TreeDecoder(engine, HeadDrafter(engine, _random_head(engine)), TreeShape(4, 3, 8))
+        start = len(mode.syncs)
+        with most_per_call(decoder, ("_spec_step",), lambda: len(mode.syncs)) as most:
+            out = decoder.generate(prompts, _params(temperature, 8))
+    assert sum(len(r.stats.accepted) for r in out) > 0, "the run made tree steps"
+    seen = dict(Counter(mode.syncs[start:]))
+    assert most["_spec_step"] <= SYNC_BUDGET, f"{most['_spec_step']} syncs in a tree step; the run's: {seen}"
+
+
 @pytest.mark.parametrize("target", [TINY_TARGET, DEEPSEEK_TARGET], ids=["llama", "deepseek"])
 @pytest.mark.parametrize("batch,temperature", [(1, 0.0), (8, 0.0), (8, 1.0)])
 def test_a_plain_step_makes_at_most_three_host_syncs(monkeypatch, prompts, target, batch, temperature):

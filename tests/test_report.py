@@ -213,7 +213,7 @@ def test_text_samples_section_marks_identity_with_plain_decoding():
                       identical_to_plain=False)]
     report = make_report(samples=samples)
     md = render_markdown(report)
-    section = md.split("## Text samples (k=2, T=0)")[1].split("\n## ")[0]
+    section = md.split("## Text samples (chain k=2, T=0)")[1].split("\n## ")[0]
     assert "1. mt_bench / writing: identical to plain decoding" in section
     assert "2. spec_bench / qa: DIFFERS from plain decoding" in section
     assert "```text\nPROMPT\n[user] Write a haiku.\n\nREPLY\nLeaves fall\n```" in section
@@ -261,9 +261,27 @@ def test_lossless_check_divergences_and_the_terms_of_c_are_rendered(tmp_path: Pa
     assert "| mtp, k=2 | heldout/2 | 2 | 102 | 202 | 0.100 | yes |" in md
     assert "**NOT LOSSLESS" in md and "near-tie divergences (bf16)): mtp, k=2: heldout/11" in md
     assert "0.080 (1.000 ms / 12.500 ms)" in md  # the headline c with its terms
-    assert "| mtp | 2 | 0 | 40 | 1.000 | 52 of 60 | 12.500 | 0.080 | 30 | 15.000 | 1.200 |" in md
-    assert "1.200 (15.000 ms / 12.500 ms)" in md  # the headline v with its terms
+    assert "| mtp | k=2 | 0 | 40 | 1.000 | 52 of 60 | 12.500 | 0.080 | 30 | — | 15.000 | 1.200 |" in md
+    assert "1.200 (15.000 ms, the step outside its drafts / 12.500 ms)" in md  # a report that predates the probe
     assert load_report(write_report(report, tmp_path, None)["json"]) == report
+
+
+def test_the_expected_speedup_gap_is_told_from_the_probe_and_the_wall_times():
+    """With the verify forward probed apart, the cost section splits the speculative run's wall time and names what
+    the prediction left out: here 30 steps spend 3 ms each outside the probed forward (0.09 s) against prefill and
+    mixed steps no slower than the plain run's."""
+    from mtp_train.eval.report import DraftCost
+
+    p = _point(2, 0.0)
+    p.cost = DraftCost(draft_forwards=40, draft_forward_ms=1.0, plain_steps=60, plain_decode_steps=52,
+                       plain_decode_step_ms=12.5, spec_steps=30, verify_step_ms=15.0, verify_forward_ms=12.0,
+                       plain_wall_s=0.75, spec_wall_s=0.6)
+    p.verify_cost_ratio, p.expected_speedup, p.measured_speedup = 0.96, 2.0, 1.25
+    md = render_markdown(make_report(sweep=[p]))
+    assert "0.960 (12.000 ms, the verify forward, probed / 12.500 ms)" in md
+    assert ("The speculative run's 0.60 s: draft forwards 0.04 s, verify forwards as probed 0.36 s, acceptance and "
+            "bookkeeping 0.09 s, prefill and mixed steps 0.11 s (the plain run's 0.10 s of 0.75 s)") in md
+    assert "The gap is mostly acceptance and bookkeeping" in md
 
 
 def test_a_report_written_before_the_lossless_check_and_c_terms_still_loads(written: dict[str, Path], tmp_path: Path):

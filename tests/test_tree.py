@@ -105,7 +105,8 @@ def test_a_tree_of_topk_1_is_the_chain_step_for_step(prompts, request, kind, tem
 @pytest.mark.parametrize("kind", ["mtp", "eagle3", pytest.param("dflash", marks=pytest.mark.slow),
                                   pytest.param("draft_target", marks=pytest.mark.slow),
                                   pytest.param("bigram", marks=pytest.mark.slow)])
-def test_tree_decoding_is_lossless_greedy_under_page_pressure(prompts, reference, random_draft, request, kind):  # noqa: F811
+def test_tree_decoding_is_lossless_greedy_under_page_pressure(prompts, reference, random_draft,  # noqa: F811
+                                                             request, kind):
     """topk 4, depth 4, 8 draft tokens, 8 sequences in 40 pages: preemptions, K/V moved and freed, output unchanged;
     a trained head's tree accepts more per step than its chain at k = 4."""
     if kind == "draft_target":

@@ -1,7 +1,8 @@
 """FlashInfer attention on CUDA: paged prefill/append wrapper (plan once per step, run per layer).
 
 Imported only when the flashinfer backend is selected. Every batch kind (prefill, decode, verify, a DFlash block,
-which is not causal, a tree with its custom mask) is an "append" over paged KV, so one wrapper serves them all. Index arrays are int32; the plan takes
+which is not causal, a tree with its custom mask) is an "append" over paged KV, so one wrapper serves them all.
+Index arrays are int32; the plan takes
 the per-sequence arrays from the host (``BatchMetadata.host_*``) and the page indices from the device.
 """
 

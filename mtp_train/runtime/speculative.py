@@ -84,7 +84,8 @@ class SpeculativeDecoder:
         scheduler, seqs = self.engine.start(prompts, params, draft_allocator=self.drafter.allocator)
         page = self.engine.allocator.page_size
         for seq in seqs:  # room for one sequence alone, with a step of drafts, guarantees progress
-            if len(seq.tokens) + seq.params.max_new_tokens + self._slots(self.k)[0] + page > self.engine.allocator.num_pages * page:
+            room = self.engine.allocator.num_pages * page
+            if len(seq.tokens) + seq.params.max_new_tokens + self._slots(self.k)[0] + page > room:
                 raise UserError(f"request {seq.request_id}: too long for the KV cache with a draft; raise the KV budget")
         clock = RegionClock(self.engine.device)
         while not scheduler.done:

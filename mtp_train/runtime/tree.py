@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mtp_train.runtime.device import to_device
 from mtp_train.runtime.sampling import SamplingParams, draw, target_distributions
 
 
@@ -101,18 +102,18 @@ class _Candidates:
         self.parent = torch.zeros((batch, m), dtype=torch.int64, device=device)  # its parent's expanded index
         self.sibling = torch.zeros((batch, m), dtype=torch.int64, device=device)  # its rank among its siblings
         self.expanded = torch.full((batch, m), -1, dtype=torch.int64, device=device)  # its own expanded index
-        self.depth = torch.zeros(m, dtype=torch.int64, device=device)
+        levels = [1] * shape.topk + [d for d in range(2, shape.depth + 1) for _ in range(shape.topk**2)]
+        self.depth = to_device(torch.tensor(levels), device)  # [M]: depth 1, then topk² per deeper level
         self.count = 0
 
-    def add(self, token: torch.Tensor, score: torch.Tensor, parent: torch.Tensor, level: int) -> slice:
-        """Append ``[B, P, K]`` children of P expanded nodes (``parent [B, P]``) at depth ``level``."""
+    def add(self, token: torch.Tensor, score: torch.Tensor, parent: torch.Tensor) -> slice:
+        """Append ``[B, P, K]`` children of P expanded nodes (``parent [B, P]``), the next level's."""
         batch, p, k = token.shape
         where = slice(self.count, self.count + p * k)
         self.token[:, where] = token.view(batch, -1)
         self.score[:, where] = score.view(batch, -1)
         self.parent[:, where] = parent[:, :, None].expand(-1, -1, k).reshape(batch, -1)
         self.sibling[:, where] = torch.arange(k, device=token.device).repeat(p)
-        self.depth[where] = level
         self.count += p * k
         return where
 
@@ -147,7 +148,7 @@ def build_tree(root: torch.Tensor, first_logits: torch.Tensor, child_logits: Chi
     sees = torch.zeros((batch, shape.expanded, (shape.depth - 1) * k), dtype=torch.bool, device=device)
     token, score, q = _children(first_logits[:, None], torch.zeros((batch, 1), device=device), k, params,
                                 None if u is None else u[:, :k])
-    level = cand.add(token, score, torch.zeros((batch, 1), dtype=torch.int64, device=device), 1)
+    level = cand.add(token, score, torch.zeros((batch, 1), dtype=torch.int64, device=device))
     if qs is not None:
         qs.append(q)
     rows = torch.arange(batch, device=device)[:, None]
@@ -163,7 +164,7 @@ def build_tree(root: torch.Tensor, first_logits: torch.Tensor, child_logits: Chi
                               sees[rows, expanded][..., : depth * k])
         draws = None if u is None else u[:, k + (depth - 1) * k * k : k + depth * k * k]
         token, score, q = _children(logits, cand.score[rows, chosen], k, params, draws)
-        level = cand.add(token, score, expanded, depth + 1)
+        level = cand.add(token, score, expanded)
         if qs is not None:
             qs.append(q)
     return _prune(root, cand, shape, qs)
@@ -178,9 +179,10 @@ def _prune(root: torch.Tensor, cand: _Candidates, shape: TreeShape, qs: list[tor
     rows = torch.arange(batch, device=device)[:, None]
     node_of = torch.zeros_like(cand.token)  # candidate -> tree index (0 where pruned)
     node_of[rows, kept] = torch.arange(1, n, device=device)[None].expand(batch, -1)
-    node_of_expanded = torch.zeros((batch, shape.expanded), dtype=torch.int64, device=device)  # root: 0
-    is_expanded = cand.expanded >= 0
-    node_of_expanded[rows.expand_as(cand.expanded)[is_expanded], cand.expanded[is_expanded]] = node_of[is_expanded]
+    # expanded index -> tree index (the root's 0), by a scatter that sends the unexpanded to a dropped last column
+    column = torch.where(cand.expanded >= 0, cand.expanded, shape.expanded)
+    node_of_expanded = torch.zeros((batch, shape.expanded + 1), dtype=torch.int64, device=device)
+    node_of_expanded = node_of_expanded.scatter_(1, column, node_of)[:, : shape.expanded]
     parent = torch.cat([torch.zeros((batch, 1), dtype=torch.int64, device=device),
                         node_of_expanded.gather(1, cand.parent.gather(1, kept))], 1)
     depth = torch.cat([torch.zeros((batch, 1), dtype=torch.int64, device=device), cand.depth[kept]], 1)

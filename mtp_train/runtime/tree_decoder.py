@@ -67,7 +67,7 @@ class TreeDecoder(SpeculativeDecoder):
         return packed[:, :n], packed[:, n : 2 * n], packed[:, 2 * n :].view(batch, n, n).bool()
 
     def _decide(self, batch: Batch, tree: DraftTree, logits: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
-        """Leader: ``[B, 3 + 3D]`` int64 on the device: accepted, the next token, the path's drafts ``[D]``, the
+        """Leader: ``[B, 4 + 3D]`` int64 on the device: accepted, the next token, the path's drafts ``[D]``, the
         target's argmax along the path ``[D + 1]`` and the path's tree indices ``[D + 1]`` (root first)."""
         shape = self.shape
         depth = to_device(torch.tensor([k_b for _, k_b in batch]), logits.device)
@@ -103,7 +103,7 @@ class TreeDecoder(SpeculativeDecoder):
         if self.drafter.leader:
             decisions = self._decide(batch, tree, engine.model.logits(hidden).view(len(batch), n, -1), u)
         else:
-            decisions = torch.zeros((len(batch), 3 + 3 * shape.depth), dtype=torch.int64, device=engine.device)
+            decisions = torch.zeros((len(batch), 4 + 3 * shape.depth), dtype=torch.int64, device=engine.device)
         rows = engine.tp.broadcast(decisions).tolist()  # the step's one wait for the device
         self._apply(scheduler, batch, rows, meta.host_qo_indptr.tolist(), states, clock)
         return True

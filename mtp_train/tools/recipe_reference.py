@@ -24,6 +24,8 @@ def _type_text(prop: dict[str, Any]) -> str:
         return " \\| ".join(f"`{json.dumps(v)}`" for v in prop["enum"])
     if "const" in prop:
         return f"`{json.dumps(prop['const'])}`"
+    if "$ref" in prop:
+        return "mapping (below)"
     if prop.get("type") == "array":
         text = f"list of {_type_text(prop['items'])}"
         return text + (f", at least {prop['minItems']}" if "minItems" in prop else "")
@@ -49,6 +51,9 @@ def reference_markdown() -> str:
             if ref:
                 nested.append((path, defs[ref.rsplit("/", 1)[-1]]))
                 continue
+            item = prop.get("items", {}).get("$ref")
+            if item:  # a list of sections (eval.trees): their fields get a table of their own
+                nested.append((f"{path}[]", defs[item.rsplit("/", 1)[-1]]))
             default = "required" if name in required else f"`{json.dumps(prop.get('default'))}`"
             meaning = prop.get("description", "").replace("|", "\\|")
             rows.append(f"| `{path}` | {_type_text(prop)} | {default} | {meaning} |")
