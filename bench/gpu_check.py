@@ -182,7 +182,8 @@ def parity(work: Path, size: Size, smoke: bool, which: str) -> list[str]:
             with torch.no_grad():
                 logprobs[name] = engine.model.logits(scored.hidden[:, -1].to(device)).float().log_softmax(-1)
             paged[name] = (paged_logprobs(engine, prompts, continuation, PAGED_STEPS),
-                           fresh_rows(engine, prompts, continuation, PAGED_STEPS))
+                           fresh_rows(engine, prompts, continuation, PAGED_STEPS),
+                           paged_logprobs(engine, prompts, continuation, PAGED_STEPS, tree=True))
             engine.generate(prompts, SamplingParams(max_new_tokens=4, stop_token_ids=()))
             greedy = SamplingParams(max_new_tokens=new, stop_token_ids=())
             results, t_gen = _timed(lambda: engine.generate(prompts, greedy), device)
@@ -200,9 +201,11 @@ def parity(work: Path, size: Size, smoke: bool, which: str) -> list[str]:
     pairs = [(b, "transformers") for b in backends if b in logprobs]
     if {"torch", "flashinfer"} <= logprobs.keys():
         pairs.append(("flashinfer", "torch"))
-    rows = {f"{b} over cached pages": p for b, (p, _) in paged.items()}
-    rows.update({f"{b} fresh": f for b, (_, f) in paged.items()})
+    rows = {f"{b} over cached pages": p for b, (p, _, _) in paged.items()}
+    rows.update({f"{b} fresh": f for b, (_, f, _) in paged.items()})
+    rows.update({f"{b} tree-masked verify": t for b, (_, _, t) in paged.items()})
     pairs += [(f"{b} over cached pages", f"{b} fresh") for b in paged]
+    pairs += [(f"{b} tree-masked verify", f"{b} fresh") for b in paged]
     if {"torch", "flashinfer"} <= paged.keys():
         pairs.append(("flashinfer over cached pages", "torch over cached pages"))
     print(f"| {'fp32' if smoke else 'bf16'}: {len(seqs)} packed sequences, {sum(size.seq_lens):,} tokens | top-1 "

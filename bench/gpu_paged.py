@@ -7,31 +7,39 @@ from __future__ import annotations
 
 import torch
 
+from mtp_train.runtime.batch import TreeMask
 from mtp_train.runtime.engine import Engine
 from mtp_train.runtime.sampling import SamplingParams
 from mtp_train.runtime.sequence import Sequence
 
 
-def paged_logprobs(engine: Engine, prompts: list[list[int]], continuation: list[list[int]], decode_steps: int
-                   ) -> torch.Tensor:
+def paged_logprobs(engine: Engine, prompts: list[list[int]], continuation: list[list[int]], decode_steps: int,
+                   tree: bool = False) -> torch.Tensor:
     """``decode_steps`` single-token decode steps over each prompt's cached pages, then one verify step with the
     rest of its ``continuation``: the log-probs of every decoded and verified position, ``[B * len(c), V]`` fp32
-    (step by step, sequence by sequence). The prefill's own rows are left out: fresh prefills are compared apart."""
+    (step by step, sequence by sequence). The prefill's own rows are left out: fresh prefills are compared apart.
+    ``tree``: the verify goes as a draft tree shaped as a chain (a ``TreeMask``, FlashInfer's custom mask on CUDA),
+    which must give the causal verify's rows."""
     params = SamplingParams(max_new_tokens=len(continuation[0]), stop_token_ids=())
     seqs = [Sequence(i, list(p), params, frozenset(), len(p)) for i, p in enumerate(prompts)]
     rows = []
 
-    def step(new: list[list[int]]) -> torch.Tensor:
+    def step(new: list[list[int]], mask: TreeMask | None = None) -> torch.Tensor:
         scheduled = list(zip(seqs, new, strict=True))
         engine.reserve(scheduled)
         with torch.no_grad():
-            _, hidden, _ = engine.forward(scheduled)
+            _, hidden, _ = engine.forward(scheduled, (), None, mask)
             return engine.model.logits(hidden).float().log_softmax(-1)
 
     step(prompts)
     for t in range(decode_steps):
         rows.append(step([[c[t]] for c in continuation]))
-    rows.append(step([c[decode_steps:] for c in continuation]))
+    verify = [c[decode_steps:] for c in continuation]
+    mask = None
+    if tree:
+        chain = torch.ones(len(verify[0]), len(verify[0]), dtype=torch.bool).tril().to(engine.device)
+        mask = TreeMask([seq.cached for seq in seqs], [chain] * len(seqs))
+    rows.append(step(verify, mask))
     for seq in seqs:
         engine.release(seq)
     return torch.cat(rows)

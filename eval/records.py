@@ -7,7 +7,7 @@ from pydantic import BaseModel, ConfigDict
 
 class DraftCost(BaseModel):
     """The terms of c = ``draft_forward_ms`` / ``plain_decode_step_ms`` and of v = ``verify_forward_ms`` /
-    ``plain_decode_step_ms`` (``verify_step_ms`` in reports that predate the probe), so that a reader can check them,
+    ``decode_forward_ms`` (``verify_step_ms`` / ``plain_decode_step_ms`` in reports that predate the probe), so that a reader can check them,
     and the wall times that explain the expected speedup's gap to the measured one."""
 
     model_config = ConfigDict(extra="forbid")
@@ -28,6 +28,8 @@ class DraftCost(BaseModel):
     verify_forward_ms: float | None = None
     """The target's forward over a step's tokens per sequence (k + 1, or the tree's N) with their logits, timed alone
     outside the speculative loop on contexts from the plain run (:mod:`mtp_train.eval.verify_probe`)."""
+    decode_forward_ms: float | None = None
+    """The same probe's forward over one token per sequence: v = ``verify_forward_ms`` / this."""
     plain_wall_s: float | None = None
     spec_wall_s: float | None = None
     """The plain and the speculative run's wall times: the measured speedup is their ratio."""

@@ -9,8 +9,8 @@ Conventions: tau counts the tokens emitted per target verification step, bonus t
 decoding has tau = 1); the prefill step's token is not a verification step. The draft cost ratio c is the
 mean wall time of one batched draft forward in decode steps over that of one plain decode step (a step in
 which every sequence decodes one token), both in this runtime at the same batch size, after a warm-up
-(:mod:`mtp_train.eval.timing`); v, the verify cost ratio, is the target's forward over a step's tokens, timed alone
-outside the speculative loop (:mod:`mtp_train.eval.verify_probe`), over the same plain decode step. Trees
+(:mod:`mtp_train.eval.timing`); v, the verify cost ratio, is the target's forward over a step's tokens over its
+forward over one token, both timed alone outside the speculative loop (:mod:`mtp_train.eval.verify_probe`). Trees
 (``eval.trees``) sweep beside the chains. Lossless at T = 0 is :mod:`mtp_train.eval.lossless`'s check. The headline
 is the lowest-temperature chain with the highest measured speedup.
 """
@@ -214,21 +214,23 @@ def _sweep(engine: Engine, drafter: Drafter, prompts, token_ids, plain: dict, e:
     check to ``checks``; with ``replies``, each chain's output tokens are kept there under ``(k, T)``."""
     shapes = [TreeShape(t.topk, t.depth, t.draft_tokens) for t in e.trees]
     warm_up(engine, drafter, token_ids, max(e.k), list(plain), shapes)
+    widths = [(1, False)] + [(k + 1, False) for k in e.k] + [(s.draft_tokens, True) for s in shapes]
     verify = verify_forward_s(engine, _contexts(token_ids, next(iter(plain.values()))[1], e.batch_size),
-                              [(k + 1, False) for k in e.k] + [(s.draft_tokens, True) for s in shapes], drafter.capture)
+                              list(dict.fromkeys(widths)), drafter.capture)
+    decode = verify[1, False]
     chains, trees = [], []
     for temperature, (params, reference, timing) in plain.items():
         for k in e.k:
             decoder = SpeculativeDecoder(engine, drafter, k)
             point, tokens = _point(engine, decoder, f"k={k}", prompts, token_ids, params, reference, timing, checks,
-                                   verify[k + 1, False])
+                                   (verify[k + 1, False], decode))
             chains.append(point)
             if replies is not None:
                 replies[k, temperature] = tokens
         for shape in shapes:
             decoder = TreeDecoder(engine, drafter, shape)
             point, _ = _point(engine, decoder, f"tree {shape.describe()}", prompts, token_ids, params, reference,
-                              timing, checks, verify[shape.draft_tokens, True])
+                              timing, checks, (verify[shape.draft_tokens, True], decode))
             point.tree = TreeSetting(topk=shape.topk, depth=shape.depth, draft_tokens=shape.draft_tokens)
             trees.append(point)
     return chains, trees
@@ -240,10 +242,10 @@ def _contexts(token_ids: list[list[int]], results, batch: int) -> list[list[int]
 
 
 def _point(engine: Engine, decoder: SpeculativeDecoder, label: str, prompts, token_ids, params, reference,
-           timing, checks: list[LosslessCheck], verify_s: float) -> tuple[SweepPoint, list[list[int]]]:
+           timing, checks: list[LosslessCheck], probe: tuple[float, float]) -> tuple[SweepPoint, list[list[int]]]:
     """One timed speculative run of every prompt with ``decoder`` at ``params``' temperature: its sweep point (and
-    at T = 0 its lossless check, added to ``checks``) and its output tokens. ``verify_s``: the probe's verify
-    forward for this step's width."""
+    at T = 0 its lossless check, added to ``checks``) and its output tokens. ``probe``: the seconds of the verify
+    forward of this step's width and of a one-token forward, timed together (v is their ratio)."""
     drafter, k, temperature = decoder.drafter, decoder.k, params[0].temperature
     progress = Progress(f"eval: {drafter.name} {label} T={temperature:g}", len(prompts), "prompts",
                         enabled=engine.tp.is_leader, summary=False)  # the line below sums it up
@@ -254,7 +256,7 @@ def _point(engine: Engine, decoder: SpeculativeDecoder, label: str, prompts, tok
         check = check_lossless(engine, f"{drafter.name}, {label}", [p.prompt_id for p in prompts], token_ids,
                                reference, results, decoder.greedy_violations)
         checks.append(check)
-    c, v, cost = step_costs(decoder.timings, timing, verify_s, spec_s)
+    c, v, cost = step_costs(decoder.timings, timing, probe, spec_s)
     verdict = LosslessVerdict() if check is None else LosslessVerdict(
         check.lossless, check.greedy_violations, len(check.divergences))
     point = sweep_point(k, temperature, request_traces(prompts, token_ids, results),

@@ -26,9 +26,11 @@ def verify_cell(r: Report) -> str:
     if point is None or point.verify_cost_ratio is None or point.cost is None or point.cost.verify_step_ms is None:
         return "not recorded (the expected speedup takes v = 1)"
     cost = point.cost
-    verify, what = ((cost.verify_forward_ms, "the verify forward, probed")
-                    if cost.verify_forward_ms is not None else (cost.verify_step_ms, "the step outside its drafts"))
-    return f"{point.verify_cost_ratio:.3f} ({verify:.3f} ms, {what} / {cost.plain_decode_step_ms:.3f} ms)"
+    if cost.verify_forward_ms is not None and cost.decode_forward_ms is not None:
+        return (f"{point.verify_cost_ratio:.3f} ({cost.verify_forward_ms:.3f} ms verify forward / "
+                f"{cost.decode_forward_ms:.3f} ms one-token forward, probed)")
+    return (f"{point.verify_cost_ratio:.3f} ({cost.verify_step_ms:.3f} ms, the step outside its drafts / "
+            f"{cost.plain_decode_step_ms:.3f} ms)")
 
 
 def _setting(p) -> str:
@@ -43,15 +45,15 @@ def gap_line(name: str, p) -> str | None:
         return None
     steps = cost.spec_steps or 0
     drafts = cost.draft_forwards * cost.draft_forward_ms / 1e3
-    forwards = steps * cost.verify_forward_ms / 1e3
+    forwards = steps * (p.verify_cost_ratio or 0.0) * cost.plain_decode_step_ms / 1e3  # v plain decode steps each
     bookkeeping = steps * (cost.verify_step_ms - cost.verify_forward_ms) / 1e3
     outside = cost.spec_wall_s - drafts - steps * cost.verify_step_ms / 1e3
     plain_outside = cost.plain_wall_s - cost.plain_decode_steps * cost.plain_decode_step_ms / 1e3
     gap = p.expected_speedup / p.measured_speedup - 1
     line = (f"{name}, {_setting(p)}, T={p.temperature:g}: expected {p.expected_speedup:.2f}×, measured "
             f"{p.measured_speedup:.2f}× ({gap:+.0%}). The speculative run's {cost.spec_wall_s:.2f} s: draft forwards "
-            f"{drafts:.2f} s, verify forwards as probed {forwards:.2f} s, acceptance and bookkeeping "
-            f"{bookkeeping:.2f} s, "
+            f"{drafts:.2f} s, verify forwards as probed (v decode steps each) {forwards:.2f} s, acceptance and "
+            f"bookkeeping {bookkeeping:.2f} s, "
             f"prefill and mixed steps {outside:.2f} s (the plain run's {plain_outside:.2f} s of "
             f"{cost.plain_wall_s:.2f} s). ")
     if abs(gap) < 0.1:
@@ -70,7 +72,8 @@ def cost_blocks(r: Report) -> list[tuple]:
     rows = [[name, _setting(p), f"{p.temperature:g}", str(p.cost.draft_forwards), _ms(p.cost.draft_forward_ms),
              f"{p.cost.plain_decode_steps} of {p.cost.plain_steps}", _ms(p.cost.plain_decode_step_ms),
              _ms(p.draft_cost_ratio), "—" if p.cost.spec_steps is None else str(p.cost.spec_steps),
-             _ms(p.cost.verify_forward_ms), _ms(p.cost.verify_step_ms), _ms(p.verify_cost_ratio),
+             _ms(p.cost.verify_forward_ms), _ms(p.cost.decode_forward_ms), _ms(p.cost.verify_step_ms),
+             _ms(p.verify_cost_ratio),
              _ms(p.expected_speedup), _ms(p.measured_speedup)]
             for name, sweep in drafts
             for p in sorted(sweep, key=lambda p: (p.temperature, p.tree is not None, p.k)) if p.cost is not None]
@@ -81,14 +84,15 @@ def cost_blocks(r: Report) -> list[tuple]:
     return [("p", "c = mean wall time of one batched draft forward in speculative decode steps (the draft forwards "
                   "timed alone) / mean wall time of one plain decode step (a step in which every sequence decodes one "
                   "token; prefill and mixed steps are left out). v = the target's forward over a step's tokens per "
-                  "sequence (k + 1, or a tree's N) with their logits, timed alone outside the speculative loop on "
-                  "contexts from the plain run / the same plain decode step. The expected speedup τ / (v + f·c), f = "
+                  "sequence (k + 1, or a tree's N) with their logits / its forward over one token per sequence, both "
+                  "timed alone outside the speculative loop, turn about, on contexts from the plain run. The expected speedup τ / (v + f·c), f = "
                   "k draft forwards per step for a chain (a tree's depth), 2 for a block draft, is thus a prediction: "
                   "the loop's own mean step outside its drafts (ms / step outside drafts) adds acceptance and "
-                  "bookkeeping to the probed verify. All after a warm-up, the device synchronized around every timed "
+                  "bookkeeping to the verify. All after a warm-up, the device synchronized around every timed "
                   "region."),
             ("table", ["draft", "setting", "T", "draft forwards", "ms / draft forward", "plain decode steps",
                        "ms / decode step", "c", "speculative steps", "ms / verify forward (probe)",
+                       "ms / one-token forward (probe)",
                        "ms / step outside drafts", "v", "expected", "measured"], rows),
             *[("p", line) for line in gaps]]
 

@@ -1,8 +1,8 @@
 """Wall-clock timing of the eval: plain decoding timed step by step, speculative runs, warm-up, and c.
 
 - **v**, the verify cost ratio = (the target's forward over k + 1 tokens per sequence, or a tree's N, with their
-  logits, timed alone outside the speculative loop on contexts from the plain run: :mod:`mtp_train.eval.verify_probe`)
-  / (mean wall time of one plain decode step). v is near 1 where verifying k + 1 tokens costs what decoding one does
+  logits) / (its forward over one token per sequence), both timed alone outside the speculative loop, turn about, on
+  contexts from the plain run (:mod:`mtp_train.eval.verify_probe`). v is near 1 where verifying k + 1 tokens costs what decoding one does
   (a memory-bound target) and grows toward k + 1 where it is compute-bound. τ / (v + f·c) is then a prediction, not
   the measured speedup restated: what it leaves out (acceptance and bookkeeping, the loop's mean step outside its
   drafts against the probe, and prefill and mixed steps) is its gap to the measured one.
@@ -70,22 +70,25 @@ class PlainTiming:
         return self.decode_s / self.decode_steps if self.decode_steps else 0.0
 
 
-def step_costs(spec: SpecTimings, plain: PlainTiming, verify_forward_s: float | None = None,
+def step_costs(spec: SpecTimings, plain: PlainTiming, probe: tuple[float, float] | None = None,
                spec_wall_s: float | None = None) -> tuple[float, float | None, DraftCost]:
-    """c, v and the record of their terms. v is the probe's verify forward (``verify_forward_s``, measured outside
-    the speculative loop) over the plain decode step; without a probe, the loop's time outside its drafts. With no
-    plain decode step to divide by, c is 0.0 and v ``None`` (nothing to compare); with no speculative step, v is
-    ``None``."""
+    """c, v and the record of their terms. With ``probe``, the verify forward's and a one-token decode forward's
+    seconds timed together outside the speculative loop (``verify_probe``), v is their ratio; without, the loop's
+    time outside its drafts over the plain decode step. With no plain decode step to divide by, c is 0.0 and v
+    ``None`` (nothing to compare); with no speculative step, v is ``None``."""
     forward_s = spec.draft_s / spec.draft_forwards if spec.draft_forwards else 0.0
     verify_s = spec.verify_s / spec.steps if spec.steps else 0.0
     step = plain.decode_step_s
     c = forward_s / step if step > 0 else 0.0
-    v = (verify_s if verify_forward_s is None else verify_forward_s) / step if step > 0 and spec.steps else None
+    v = None
+    if step > 0 and spec.steps:
+        v = verify_s / step if probe is None else probe[0] / probe[1]
     record = DraftCost(draft_forwards=spec.draft_forwards, draft_forward_ms=round(forward_s * 1e3, 4),
                        plain_steps=plain.steps, plain_decode_steps=plain.decode_steps,
                        plain_decode_step_ms=round(step * 1e3, 4), spec_steps=spec.steps,
                        verify_step_ms=round(verify_s * 1e3, 4),
-                       verify_forward_ms=None if verify_forward_s is None else round(verify_forward_s * 1e3, 4),
+                       verify_forward_ms=None if probe is None else round(probe[0] * 1e3, 4),
+                       decode_forward_ms=None if probe is None else round(probe[1] * 1e3, 4),
                        plain_wall_s=round(plain.wall_s, 4),
                        spec_wall_s=None if spec_wall_s is None else round(spec_wall_s, 4))
     return c, v, record

@@ -19,25 +19,25 @@ from mtp_train.runtime.device import synchronize, to_device
 from mtp_train.runtime.engine import Engine
 from mtp_train.runtime.sampling import SamplingParams
 
-REPEATS = 3
-"""Timed forwards per width (after one untimed), their median kept."""
+REPEATS = 9
+"""Timed forwards per width (after one untimed round), their median kept; the widths take turns, round by round, so
+that a slow spell of the machine falls on all of them."""
 
 
 def verify_forward_s(engine: Engine, contexts: list[list[int]], widths: list[tuple[int, bool]],
                      capture: tuple[int, ...] = ()) -> dict[tuple[int, bool], float]:
     """Median seconds of one verify forward of ``n`` tokens per context (``(n, tree)`` in ``widths``; a tree's
     tokens attend to the root and themselves, at depth 1), its logits included."""
-    out: dict[tuple[int, bool], float] = {}
     with torch.inference_mode():
         scheduler, seqs = engine.start(contexts, SamplingParams(max_new_tokens=2, stop_token_ids=()))
         while scheduler.waiting or any(len(s.pending) != 1 for s in scheduler.running):
             engine.step(scheduler)  # prefill: each context then holds its K/V and one pending token
         running = list(scheduler.running)
-        for n, tree in widths:
-            times = []
-            for _ in range(REPEATS + 1):
-                times.append(_one_forward(engine, running, n, tree, capture))
-            out[n, tree] = sorted(times[1:])[REPEATS // 2]
+        times: dict[tuple[int, bool], list[float]] = {width: [] for width in widths}
+        for _ in range(REPEATS + 1):
+            for n, tree in times:
+                times[n, tree].append(_one_forward(engine, running, n, tree, capture))
+        out = {width: sorted(t[1:])[REPEATS // 2] for width, t in times.items()}
         for seq in running:
             scheduler.retire(seq)
     return out

@@ -261,7 +261,7 @@ def test_lossless_check_divergences_and_the_terms_of_c_are_rendered(tmp_path: Pa
     assert "| mtp, k=2 | heldout/2 | 2 | 102 | 202 | 0.100 | yes |" in md
     assert "**NOT LOSSLESS" in md and "near-tie divergences (bf16)): mtp, k=2: heldout/11" in md
     assert "0.080 (1.000 ms / 12.500 ms)" in md  # the headline c with its terms
-    assert "| mtp | k=2 | 0 | 40 | 1.000 | 52 of 60 | 12.500 | 0.080 | 30 | — | 15.000 | 1.200 |" in md
+    assert "| mtp | k=2 | 0 | 40 | 1.000 | 52 of 60 | 12.500 | 0.080 | 30 | — | — | 15.000 | 1.200 |" in md
     assert "1.200 (15.000 ms, the step outside its drafts / 12.500 ms)" in md  # a report that predates the probe
     assert load_report(write_report(report, tmp_path, None)["json"]) == report
 
@@ -275,12 +275,12 @@ def test_the_expected_speedup_gap_is_told_from_the_probe_and_the_wall_times():
     p = _point(2, 0.0)
     p.cost = DraftCost(draft_forwards=40, draft_forward_ms=1.0, plain_steps=60, plain_decode_steps=52,
                        plain_decode_step_ms=12.5, spec_steps=30, verify_step_ms=15.0, verify_forward_ms=12.0,
-                       plain_wall_s=0.75, spec_wall_s=0.6)
+                       decode_forward_ms=12.5, plain_wall_s=0.75, spec_wall_s=0.6)
     p.verify_cost_ratio, p.expected_speedup, p.measured_speedup = 0.96, 2.0, 1.25
     md = render_markdown(make_report(sweep=[p]))
-    assert "0.960 (12.000 ms, the verify forward, probed / 12.500 ms)" in md
-    assert ("The speculative run's 0.60 s: draft forwards 0.04 s, verify forwards as probed 0.36 s, acceptance and "
-            "bookkeeping 0.09 s, prefill and mixed steps 0.11 s (the plain run's 0.10 s of 0.75 s)") in md
+    assert "0.960 (12.000 ms verify forward / 12.500 ms one-token forward, probed)" in md
+    assert ("The speculative run's 0.60 s: draft forwards 0.04 s, verify forwards as probed (v decode steps each) "
+            "0.36 s, acceptance and bookkeeping 0.09 s, prefill and mixed steps 0.11 s (the plain run's 0.10 s of 0.75 s)") in md
     assert "The gap is mostly acceptance and bookkeeping" in md
 
 

@@ -124,8 +124,9 @@ def _children(logits: torch.Tensor, score: torch.Tensor, k: int, params: list[Sa
     scores ``[B, P, K]`` and the distributions ``[B, P, V]`` they were drawn from (``None`` at T = 0)."""
     batch, p, vocab = logits.shape
     if u is None:
-        top = logits.float().log_softmax(-1).topk(k, dim=-1)
-        return top.indices, score[..., None] + top.values, None
+        logits = logits.float()
+        top = logits.topk(k, dim=-1)  # log-probabilities: the top logits less the logsumexp
+        return top.indices, score[..., None] + top.values - logits.logsumexp(-1, keepdim=True), None
     rows = [params[b] for b in range(batch) for _ in range(p)]
     q = target_distributions(logits.reshape(batch * p, vocab), rows).view(batch, p, vocab)
     left, tokens = q.clone(), []
