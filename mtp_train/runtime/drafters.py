@@ -118,7 +118,6 @@ class Drafter:
         for i, f in enumerate(feeds):
             self.carried[f.seq.request_id] = (logits[i], fed_back[i])
 
-
     def tree_start(self, batch: list[tuple[Sequence, int]], shape: TreeShape) -> tuple[torch.Tensor, ChildLogits]:
         """Leader: the logits ``[B, V]`` of each sequence's first draft (carried) and the forwards of its tree's
         expanded nodes (``tree.build_tree``), each reading its parent's output (the root's: the carried one)."""
@@ -289,7 +288,6 @@ class BlockDrafter(HeadDrafter):
                             self.kv.layers)
         rows = [[bounds[b] + min(j + 1, k_b) for j in range(k)] for b, (_, k_b) in enumerate(batch)]
         return self.logits(out[to_device(torch.tensor(rows), out.device).view(-1)]).view(len(batch), k, -1)
-
 
     def tree_start(self, batch: list[tuple[Sequence, int]], shape: TreeShape) -> tuple[torch.Tensor, ChildLogits]:
         """One block of ``shape.depth`` drafts: every node at depth d draws its children from the block's position
