@@ -70,12 +70,12 @@ def load_eval(recipe: Recipe) -> tuple[Engine, Drafter, Any, dict[str, Any]]:
     if recipe.eval.draft == "target_mtp":
         return engine, HeadDrafter(engine, draft, "target_mtp", vocab), None, others
     from mtp_train.train.objective import loss_weights
-    from mtp_train.features.reader import FeatureReader
+    from mtp_train.features.online import open_features
 
     root = recipe.head_dir()
     drafter = head_drafter(engine, draft, vocab)
     trainer_numbers = json.loads((root / "config.json").read_text()).get("validation", {})
-    reader = FeatureReader(recipe.features_dir, target=recipe.target.path)  # its shards checked now, read at the end
+    reader = open_features(recipe)  # its shards checked now, read at the end
 
     def head_validation() -> dict[str, Any]:
         from mtp_train.eval.validation import runtime_validation
@@ -149,10 +149,10 @@ def load_other(recipe: Recipe, cfg: ModelConfig, name: str):
     """What a comparison draft needs: another trained head kind, or for the bigram baseline its successor table
     from the training features."""
     from mtp_train.runtime.drafters import BigramDrafter
-    from mtp_train.features.reader import FeatureReader
+    from mtp_train.features.online import open_features
 
     if name == "bigram":
-        reader = FeatureReader(recipe.features_dir, target=recipe.target.path)
+        reader = open_features(recipe)
         tokens = [reader.load(ref)["input_ids"] for ref in reader.train]
         return BigramDrafter.from_tokens(tokens, cfg.vocab_size)
     if name == "target_mtp":
@@ -174,12 +174,12 @@ def draft_vocab(recipe: Recipe, vocab_size: int) -> torch.Tensor | None:
     """``[N]`` ascending target ids of the ``eval.draft_vocab`` most frequent assistant tokens (``loss_mask`` 1) of
     the training features, ties to the smaller id; None for the full vocabulary."""
     from mtp_train.train.vocab import frequent_tokens
-    from mtp_train.features.reader import FeatureReader
+    from mtp_train.features.online import open_features
 
     n = recipe.eval.draft_vocab
     if n is None or n >= vocab_size:
         return None
-    return frequent_tokens(FeatureReader(recipe.features_dir, target=recipe.target.path), n, vocab_size)
+    return frequent_tokens(open_features(recipe), n, vocab_size)
 
 
 def target_mtp(recipe: Recipe, cfg: ModelConfig):

@@ -1,7 +1,8 @@
 """Inference-validated validation: the trainer's metrics, computed by the runtime's target and head.
 
 The held-out sequences of the features are scored again by the runtime's target (``Engine.score``: fp32
-hidden states and top-K, where the trainer read the stored bf16 features), and the head runs through the
+hidden states and top-K, where the trainer read the stored bf16 features; FP8 features' hidden states go through
+the same FP8 round trip, whose cost the bf16-against-fp8 comparison measures apart), and the head runs through the
 runtime's paged-KV attention (``DraftHead.run`` with a step plan, as in speculative decoding) instead of
 the trainer's document-causal attention. The loss and the top-1 accuracy per unrolled step are then
 aggregated by the trainer's own ``validate`` and compared with what the trainer reported for the same rows.
@@ -22,6 +23,7 @@ from mtp_train.train.data import Batch
 from mtp_train.train.loss import LossWeights
 from mtp_train.train.objective import validate
 from mtp_train.features.reader import FeatureReader
+from mtp_train.features.tensors import read_back
 
 
 def runtime_frozen(engine: Engine) -> FrozenTarget:
@@ -34,20 +36,22 @@ def runtime_batches(engine: Engine, reader: FeatureReader, aux: tuple[int, ...] 
     """The held-out sequences (16 per batch, as the trainer groups them), re-scored by the runtime's target, with
     the outputs of layers ``aux`` as ``Batch.aux``."""
     refs = reader.heldout
-    topk = reader.manifest.topk
+    topk, stored = reader.manifest.topk, reader.manifest.hidden_dtype
     for i in range(0, len(refs), 16):
         parts = [reader.load(r) for r in refs[i : i + 16]]
         seqs = [p["input_ids"].long().tolist() for p in parts]
         out = engine.score(seqs, layers=[*aux, -1], topk=topk)
+        # FP8 features: the same round trip as the trainer's inputs, so that a gap is the implementation's
+        hidden = out.hidden if stored == "bfloat16" else read_back(out.hidden, stored)
         yield Batch(
             tokens=torch.cat([p["input_ids"].long() for p in parts]),
-            hidden=out.hidden[:, -1].float(),
+            hidden=hidden[:, -1].float(),
             loss_mask=torch.cat([p["loss_mask"].bool() for p in parts]),
             topk_logprobs=out.topk_logprobs.float(),
             topk_ids=out.topk_ids.long(),
             tail_logprob=out.tail_logprob.float(),
             cu_seqlens=out.cu_seqlens.tolist(),
-            aux=out.hidden[:, :-1].flatten(1).float() if aux else None,
+            aux=hidden[:, :-1].flatten(1).float() if aux else None,
         )
 
 

@@ -173,9 +173,11 @@ def _verify(root: Path) -> int:
     for problem in problems:
         print(f"mtp-train: verify: {problem}", file=sys.stderr)
     totals = manifest.totals()
+    stored = ("planned for online training, nothing stored" if manifest.online
+              else f"{totals['bytes_per_token']} bytes/token")
     print(
         f"verify: {root}: {len(manifest.shards)} shards, {totals['sequences']:,} sequences, {totals['tokens']:,} "
-        f"tokens, {totals['bytes_per_token']} bytes/token, ranks {sorted(manifest.ranks)} of {manifest.world_size}: "
+        f"tokens, {stored}, ranks {sorted(manifest.ranks)} of {manifest.world_size}: "
         + ("OK" if not problems else f"{len(problems)} problem(s)")
     )
     return 1 if problems else 0

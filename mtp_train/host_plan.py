@@ -8,7 +8,8 @@ writing thread beside them. On top come the stage's own bytes:
 - **precompute**: the dataset's rows as Python objects (every task reads the data: ``ROWS_PER_FILE_BYTE`` times the
   files' size), and the shards in flight (the one being scored, the writer's queue, the one being written);
 - **train**: on each rank the frozen embedding and lm_head in fp32 (loaded on the host first) and the batches in
-  flight (the one training, the one the loading thread reads ahead, a validation batch);
+  flight (the one training, the one the loading thread reads ahead, a validation batch); online, also the rows
+  and the scored shards it holds (a window per micro-batch lane and TP rank, plus ``precompute.online_cache_gb``);
 - **eval**: the rows again (the held-out prompts are read from the data), and a small prompt set.
 """
 
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from mtp_train.features.layers import stored_layers
 from mtp_train.features.space import bytes_per_token
 from mtp_train.head_memory import batch_bytes, frozen_bytes
+from mtp_train.train.data import SHARD_WINDOW
 from mtp_train.models.config import ModelConfig
 from mtp_train.recipe import Recipe
 
@@ -48,14 +50,21 @@ def _rows_bytes(recipe: Recipe) -> int:
 
 def precompute_host(recipe: Recipe, cfg: ModelConfig) -> HostPlan:
     tp = recipe.target.tp
-    per_token = bytes_per_token(len(stored_layers(recipe, cfg)), cfg.hidden_size, recipe.precompute.topk)
+    p = recipe.precompute
+    per_token = bytes_per_token(len(stored_layers(recipe, cfg)), cfg.hidden_size, p.topk, p.hidden_dtype)
     shards = SHARDS_IN_FLIGHT * recipe.precompute.shard_tokens * per_token
     return HostPlan(tp * (_threads(recipe) + 1), tp * PROCESS_BYTES + _rows_bytes(recipe) + shards)
 
 
 def train_host(recipe: Recipe, cfg: ModelConfig, procs: int) -> HostPlan:
     batch = batch_bytes(recipe, cfg, len(stored_layers(recipe, cfg)))
-    return HostPlan(procs * (_threads(recipe) + 1), procs * (PROCESS_BYTES + frozen_bytes(cfg) + 3 * batch))
+    per_rank = PROCESS_BYTES + frozen_bytes(cfg) + 3 * batch
+    p = recipe.precompute
+    if p.mode == "online":  # the rows, and the scored shards: each lane's window (of every rank of a TP group)
+        per_token = bytes_per_token(len(stored_layers(recipe, cfg)), cfg.hidden_size, p.topk, p.hidden_dtype)
+        windows = recipe.train.grad_accum * recipe.target.tp * SHARD_WINDOW * p.shard_tokens * per_token
+        per_rank += _rows_bytes(recipe) + windows + int(p.online_cache_gb * GIB)
+    return HostPlan(procs * (_threads(recipe) + 1), procs * per_rank)
 
 
 def eval_host(recipe: Recipe) -> HostPlan:

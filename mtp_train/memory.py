@@ -11,7 +11,9 @@
   that autograd keeps for ``train.unroll`` steps over ``train.batch_tokens`` tokens, **measured** on the meta
   device with the attention kernel a GPU selects (``mtp_train.head_memory.attention_kernel``: flash keeps no
   scores, the math kernel keeps each document's); and the loss: the labelled rows it gathers and keeps until
-  backward, and the chunked vocabulary terms' bound.
+  backward, and the chunked vocabulary terms' bound. Online (``precompute.mode: online``) the train stage also
+  holds the precompute stage's weights and scoring activations, and a KV cache for one scoring forward; precompute
+  then holds nothing on the GPU unless it regenerates answers.
 - **eval**: the precompute terms, the drafts' weights (whole, on the leader), and one KV budget that the target's
   pool shares with the drafts' pools (``mtp_train.eval.loading.kv_share``).
 """
@@ -248,13 +250,21 @@ def memory_plan(cfg: ModelConfig, recipe: Recipe, gpu_bytes: int = H100_BYTES) -
     activations = train_activation_bytes(recipe, cfg)
     dflash = recipe.head.kind == "dflash"
     steps = f"blocks of {recipe.head.block_size} at every anchor" if dflash else f"{tr.unroll} unrolled steps"
-    train = StagePlan("train", {"frozen": frozen, "head+grads+AdamW": head_params * 4 + grads + head_params * 8 // zero,
-                                "features": features, "activations": activations,
-                                "loss": loss_copy_bytes(recipe, cfg) + 4 * CHUNK_BYTES},
-                      gpu_bytes, f"{steps} x {tr.batch_tokens:,} tokens (fp32 activations"
-                                 f"{'; bf16 autocast keeps less' if tr.mixed_precision != 'no' else ''}"
-                                 f"{scores}), AdamW over {zero} rank(s)")
-    return [runtime, train, eval_plan(cfg, recipe, gpu_bytes, scoring)]
+    parts = {"frozen": frozen, "head+grads+AdamW": head_params * 4 + grads + head_params * 8 // zero,
+             "features": features, "activations": activations, "loss": loss_copy_bytes(recipe, cfg) + 4 * CHUNK_BYTES}
+    note = (f"{steps} x {tr.batch_tokens:,} tokens (fp32 activations"
+            f"{'; bf16 autocast keeps less' if tr.mixed_precision != 'no' else ''}{scores}), AdamW over {zero} rank(s)")
+    online = recipe.precompute.mode == "online"
+    if online:  # the target beside the head, its KV sized for one scoring forward
+        online_kv = 2 * recipe.precompute.batch_tokens * per_token
+        parts |= {"target": weights, "scoring": scoring, "KV": online_kv}
+        note += (f"; online: the target (TP {t.tp}) scores beside the head, KV for one "
+                 f"{recipe.precompute.batch_tokens:,}-token forward (at most 2x its tokens in slots)")
+    if online and not recipe.data.regenerate:  # precompute only plans the shards: no target on the GPU
+        runtime = StagePlan("precompute", {}, gpu_bytes, "online: the rows' tokens and the shard plan, no target")
+    elif online:
+        runtime = dataclasses.replace(runtime, note=runtime_note + "; online: the target regenerates answers only")
+    return [runtime, StagePlan("train", parts, gpu_bytes, note), eval_plan(cfg, recipe, gpu_bytes, scoring)]
 
 
 def plan_lines(cfg: ModelConfig, recipe: Recipe, gpu_bytes: int = H100_BYTES) -> list[str]:

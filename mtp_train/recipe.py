@@ -120,6 +120,21 @@ class PrecomputeConfig(Section):
     topk: NonNegativeInt = Field(32, description="Top-K teacher log-probs stored per token; 0 stores none.")
     shard_tokens: PositiveInt = Field(262144, description="Tokens per shard file.")
     batch_tokens: PositiveInt = Field(16384, description="Tokens per target forward (packed, no padding).")
+    hidden_dtype: Literal["bf16", "fp8"] = Field(
+        "bf16", description="How hidden states are stored: bf16, or `fp8` (e4m3 with one float32 scale per token "
+        "and layer: about half the bytes). Training and the eval's validation read either back as float32.",
+    )
+    mode: Literal["offline", "online"] = Field(
+        "offline", description="`offline`: precompute writes the features to disk and training reads them. `online`: "
+        "precompute only plans the shards (and regenerates answers when asked); each training process then runs "
+        "the target beside its head and scores the shards its batches need, in memory, with the same data order, "
+        "masks and values as offline (rounded as `hidden_dtype` stores them). No features are written.",
+    )
+    online_cache_gb: NonNegativeFloat = Field(
+        0.0, description="`online`: host memory per training process for shards already scored, kept for later "
+        "epochs (oldest dropped first). 0 keeps only the shards of the current batches' windows, so every epoch "
+        "scores its shards again.",
+    )
 
 
 class HeadConfig(Section):

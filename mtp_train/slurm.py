@@ -4,8 +4,10 @@ The chain is four jobs, each submitted with ``--dependency=afterok:<previous> --
 so a failure cancels everything after it:
 
 1. ``precompute.sbatch``: a job array; task i of N writes the features of row block i (TP inside the task);
+   online (``precompute.mode: online``) it plans them instead, on one CPU task unless it regenerates answers;
 2. ``verify.sbatch``: the array's final step: writes ``manifest.json`` if no task did, runs ``mtp-train verify``;
-3. ``train.sbatch``: torchrun on every node, requeued after a SIGUSR1 so that it resumes from ``latest``;
+3. ``train.sbatch``: torchrun on every node, requeued after a SIGUSR1 so that it resumes from ``latest``
+   (online, each process or TP group runs the target beside its head);
 4. ``eval.sbatch``: the eval and the report.
 
 Templates carry ``{{NAME}}`` placeholders; rendered scripts go to ``OUTPUT_DIR/slurm/`` and can be
@@ -75,6 +77,9 @@ class SlurmOptions:
         if not self.cpu and recipe.target.tp > self.gpus_per_node:
             raise UserError(f"target.tp: {recipe.target.tp} exceeds --gpus-per-node {self.gpus_per_node}; "
                             f"a precompute task runs its TP group on one node")
+        if recipe.precompute.mode == "online" and self.train_procs % recipe.target.tp:
+            raise UserError(f"target.tp: {recipe.target.tp} does not divide the {self.train_procs} training processes "
+                            "per node; online, each node's training processes form whole TP groups")
 
     @property
     def train_procs(self) -> int:
@@ -83,7 +88,14 @@ class SlurmOptions:
     def tasks(self, recipe: Recipe) -> int:
         if self.array_tasks:
             return self.array_tasks
+        if planning_only(recipe):
+            return 1
         return 2 if self.cpu else max(1, self.nodes * self.gpus_per_node // recipe.target.tp)
+
+
+def planning_only(recipe: Recipe) -> bool:
+    """Online without regeneration, precompute only encodes the rows and plans the shards: no target, no GPU."""
+    return recipe.precompute.mode == "online" and not recipe.data.regenerate
 
 
 def _sbatch_lines(opts: SlurmOptions, gpus: int, cpus: int | None, memory: int | None = None) -> str:
@@ -121,6 +133,7 @@ def render(recipe_path: Path, overrides: list[str], recipe: Recipe, opts: SlurmO
         "FEATURES_DIR": shlex.quote(str(recipe.features_dir)),
         "LOG_DIR": str(log_dir(recipe)),
         "TP": str(tp),
+        "PRECOMPUTE_TP": "1" if planning_only(recipe) else str(tp),
         "LAST_TASK": str(opts.tasks(recipe) - 1),
         "NODES": str(opts.nodes),
         "PROCS_PER_NODE": str(opts.train_procs),
@@ -129,7 +142,8 @@ def render(recipe_path: Path, overrides: list[str], recipe: Recipe, opts: SlurmO
         "EVAL_TIME": opts.eval_time,
         "SIGNAL_LEAD": str(opts.signal_lead),
         "SRUN_ARGS": f" {opts.srun_args.strip()}" if opts.srun_args.strip() else "",
-        "SBATCH_PRECOMPUTE": _sbatch_lines(opts, tp, *hosts.get("precompute", (cpus, None))),
+        "SBATCH_PRECOMPUTE": _sbatch_lines(opts, 0 if planning_only(recipe) else tp,
+                                           *hosts.get("precompute", (cpus, None))),
         "SBATCH_VERIFY": _sbatch_lines(opts, 0, 1 if opts.cpu else opts.cpus_per_task),
         "SBATCH_TRAIN": _sbatch_lines(opts, opts.gpus_per_node, *hosts.get("train", (
             opts.cpus_per_task or (opts.train_procs if opts.cpu else None), None))),

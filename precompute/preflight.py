@@ -75,5 +75,8 @@ def check_first_rows(recipe: Recipe, tasks: int = 1) -> DiskPlan:
     cfg = ModelConfig.from_hf(find_checkpoint(recipe.target.path).config, str(recipe.target.path / "config.json"))
     how = (f"{rows:,} rows x {mean:,.0f}, the mean of the first {len(encoded)}"
            + (", before regeneration replaces their answers" if d.regenerate else ""))
-    per_token = bytes_per_token(len(stored_layers(recipe, cfg)), cfg.hidden_size, recipe.precompute.topk)
-    return DiskPlan(recipe.features_dir, round(rows * mean), per_token, tasks, how)
+    p = recipe.precompute
+    per_token = {dtype: bytes_per_token(len(stored_layers(recipe, cfg)), cfg.hidden_size, p.topk, dtype)
+                 for dtype in ("bf16", "fp8")}
+    stored = "online" if p.mode == "online" else p.hidden_dtype
+    return DiskPlan(recipe.features_dir, round(rows * mean), per_token, stored, tasks, how)

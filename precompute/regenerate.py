@@ -6,23 +6,13 @@ turn j is answered, its turn j+1 is queued with the regenerated turn j in its co
 Text rows are left as they are. Each (row, turn) has its own sampling seed, so the draw does not depend on
 which rows share a batch or a rank.
 
-The answers are kept as a dataset file, ``FEATURES/regenerated.rank-RRRRR.jsonl``: a header line
-``{"fingerprint": ...}`` (target, tokenizer, chat template, data files, sampling with its seed, and
-``data.max_length``; not ``max_rows``, so a run over more rows reuses the answers it has), then one line per
-regenerated row, ``{"row_id": N, "messages": [...]}`` (the ``openai`` row format), appended and fsync'd as
-rows finish (every ``save_rows`` rows). A rerun keeps the rows the file already holds (a torn last line from a
-kill is cut off) and generates only the rest; a file with another fingerprint is started afresh. The file
-survives ``precompute --overwrite``, so changing what is stored (layers, top-K) does not regenerate.
+The answers are kept and reused as ``mtp_train.data.answers`` describes.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
-import os
 import sys
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,73 +22,9 @@ from mtp_train.recipe import SamplingConfig
 from mtp_train.runtime.engine import Engine
 from mtp_train.runtime.sampling import SamplingParams
 from mtp_train.runtime.sequence import Status
+from mtp_train.data.answers import SAVE_ROWS, AnswerFile
 from mtp_train.data.dataset import Row
 from mtp_train.io import crash_point
-
-
-SAVE_ROWS = 64
-
-
-def regenerated_path(features: Path, rank: int) -> Path:
-    return features / f"regenerated.rank-{rank:05d}.jsonl"
-
-
-def _read_done(path: Path, fingerprint: str, write: bool) -> dict[int, list[dict[str, str]]]:
-    """Rows the file already holds; a torn last line is cut off, a file of another fingerprint is removed (both
-    only when ``write``)."""
-    if not path.is_file():
-        return {}
-    data = path.read_bytes()
-    lines = data.split(b"\n")
-    good = len(data) if data.endswith(b"\n") else len(data) - len(lines[-1])
-    done: dict[int, list[dict[str, str]]] = {}
-    try:
-        header = json.loads(lines[0]) if lines[0] else {}
-    except json.JSONDecodeError:
-        header = {}
-    if header.get("fingerprint") != fingerprint:
-        if write:
-            path.unlink()
-        return {}
-    for line in lines[1:]:
-        if line:
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:  # only the torn last line can be partial; good stops before it
-                break
-            done[int(rec["row_id"])] = rec["messages"]
-    if good < len(data) and write:
-        with open(path, "r+b") as f:
-            f.truncate(good)
-    return done
-
-
-def _append(path: Path, lines: list[str], header: str | None) -> None:
-    with open(path, "a", encoding="utf-8") as f:
-        if header is not None:
-            f.write(header + "\n")
-        f.write("".join(line + "\n" for line in lines))
-        f.flush()
-        os.fsync(f.fileno())
-
-
-@dataclass(frozen=True)
-class AnswerFile:
-    """Where ``regenerate`` keeps its answers to reuse them (module docstring): ``path``, reused only when its header
-    carries ``fingerprint``; finished rows are appended ``save_rows`` at a time. Under tensor parallelism every rank
-    reads it, and only the leader (``write``) writes it and prints."""
-
-    path: Path
-    fingerprint: str
-    save_rows: int = SAVE_ROWS
-    write: bool = True
-
-    def read(self) -> dict[int, list[dict[str, str]]]:
-        return _read_done(self.path, self.fingerprint, self.write)
-
-    def append(self, rows: list[Row]) -> None:
-        header = json.dumps({"fingerprint": self.fingerprint}) if not self.path.is_file() else None
-        _append(self.path, [json.dumps({"row_id": r.row_id, "messages": r.content}) for r in rows], header)
 
 
 def _prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:

@@ -32,6 +32,7 @@ from mtp_train.data.dataset import LoadedData, Row, encode_many, heldout_ids, lo
 from mtp_train.features.index import RankIndex, index_name, load_index
 from mtp_train.features.layers import eagle3_layers, stored_layers
 from mtp_train.features.space import bytes_per_token, require_space
+from mtp_train.features.tensors import HIDDEN_DTYPES
 from mtp_train.features.verify import check_shards
 from mtp_train.features.manifest import (
     MERGED,
@@ -45,7 +46,7 @@ from mtp_train.features.manifest import (
 )
 from mtp_train.precompute.directory import merge_manifests, prepare_directory
 from mtp_train.precompute.preflight import check_data_files, check_rows, mask_counts
-from mtp_train.precompute.shards import Encoded, ShardPlan, plan_shards, save_rank, write_shards
+from mtp_train.precompute.shards import Encoded, ShardPlan, plan_shards, record_plan, save_rank, write_shards
 from mtp_train.data.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
@@ -104,19 +105,26 @@ def run_precompute(
 def _precompute(job: Job, device: torch.device, tp: TensorParallel, overwrite: bool, start: float) -> Manifest:
     """Score this worker's rows into shards from where an earlier run stopped, and record them."""
     recipe = job.recipe
+    online = recipe.precompute.mode == "online"
     old = resume_point(job, tp, overwrite)
     data = load_data(job)
-    engine = load_engine(recipe, device, tp)
+    # online, the target runs here only to regenerate answers: training scores the shards
+    engine = load_engine(recipe, device, tp) if recipe.data.regenerate or not online else None
     rows = rows_to_score(job, data, engine, tp)
     encoded = encode_many(job.tokenizer, [r.content for r in rows], recipe.data.max_length, [r.row_id for r in rows])
     by_file = mask_counts(data, rows, encoded)
-    manifest, index = old or new_manifest(job, engine, data, encoded)
+    manifest, index = old or new_manifest(job, data, encoded)
     plan = plan_shards(rows, encoded, recipe.precompute.shard_tokens, manifest, index, job.out)
     if tp.is_leader and len(manifest.shards) < len(plan) and (job.out / MERGED).is_file():
         (job.out / MERGED).unlink()  # stale until every rank is complete again
     report_plan(job, plan, manifest, by_file)
+    if online:
+        if tp.is_leader:
+            record_plan(plan, manifest, index, job.out, job.worker.rank)
+        return finish(job, manifest, index, start) if tp.is_leader else manifest
     remaining = sum(plan.tokens(i) for i in range(len(manifest.shards), len(plan)))
-    require_space(job.out, remaining * bytes_per_token(len(manifest.layers), manifest.hidden_size, manifest.topk),
+    per_token = bytes_per_token(len(manifest.layers), manifest.hidden_size, manifest.topk, recipe.precompute.hidden_dtype)
+    require_space(job.out, remaining * per_token,
                   f"rank {job.worker.rank}'s {len(plan) - len(manifest.shards)} shards still to write")
     if not recipe.data.regenerate:
         warn_if_oversubscribed("precompute", tp.is_leader)
@@ -151,6 +159,9 @@ def recipe_settings(recipe: Recipe, world: int, cfg: ModelConfig) -> dict:
         "sampling": d.sampling.model_dump() if d.regenerate else None,
         "seed": recipe.seed, "layers": p.layers, "topk": p.topk, "shard_tokens": p.shard_tokens, "world_size": world,
         **({"eagle3_layers": extra} if extra else {}),
+        # only where they differ from what older features were made with, so that those keep their fingerprint
+        **({"hidden_dtype": p.hidden_dtype} if p.hidden_dtype != "bf16" else {}),
+        **({"mode": p.mode} if p.mode != "offline" else {}),
     }
 
 
@@ -216,30 +227,30 @@ def load_engine(recipe: Recipe, device: torch.device, tp: TensorParallel) -> Eng
                              max_batch_tokens=recipe.precompute.batch_tokens)
 
 
-def rows_to_score(job: Job, data: LoadedData, engine: Engine, tp: TensorParallel) -> list[Row]:
+def rows_to_score(job: Job, data: LoadedData, engine: Engine | None, tp: TensorParallel) -> list[Row]:
     """This worker's rows; with ``data.regenerate``, their assistant turns answered by the target."""
     rows = data.rows
     d = job.recipe.data
     if not d.regenerate:
         return rows
-    from mtp_train.precompute.regenerate import AnswerFile, regenerate, regenerated_path
+    from mtp_train.data.answers import AnswerFile, regenerated_path, regeneration_key
+    from mtp_train.precompute.regenerate import regenerate
 
-    source = {k: job.fingerprint[k] for k in ("target", "tokenizer", "chat_template", "data")}
-    regen_key = text_fingerprint(json.dumps({**source, "sampling": d.sampling.model_dump(),
-                                             "max_length": d.max_length}, sort_keys=True))
+    regen_key = regeneration_key(job.fingerprint, d.sampling.model_dump(), d.max_length)
     warn_if_oversubscribed("precompute", tp.is_leader)  # before the long regeneration
     answers = AnswerFile(regenerated_path(job.out, job.worker.rank), regen_key, write=tp.is_leader)
     return regenerate(rows, job.tokenizer, engine, d.sampling, max_length=d.max_length, file=answers)
 
 
-def new_manifest(job: Job, engine: Engine, data: LoadedData, encoded: list[Encoded]) -> tuple[Manifest, RankIndex]:
+def new_manifest(job: Job, data: LoadedData, encoded: list[Encoded]) -> tuple[Manifest, RankIndex]:
     """The manifest and index of a rank that has written no shard yet."""
     recipe = job.recipe
     mine = [r.row_id for r in data.rows]
     heldout = heldout_ids(data.num_rows, recipe.data.heldout_rows, recipe.seed)
     manifest = Manifest(
         ranks=[job.worker.rank], world_size=job.worker.world, fingerprint=job.fingerprint, settings=job.settings,
-        layers=stored_layers(recipe, job.cfg), hidden_size=engine.cfg.hidden_size,
+        layers=stored_layers(recipe, job.cfg), hidden_size=job.cfg.hidden_size,
+        hidden_dtype=HIDDEN_DTYPES[recipe.precompute.hidden_dtype], online=recipe.precompute.mode == "online",
         topk=recipe.precompute.topk, regenerated=recipe.data.regenerate,
         sampling=recipe.data.sampling.model_dump() if recipe.data.regenerate else None,
         num_rows=len(mine), heldout_row_ids=[i for i in mine if i in heldout],
@@ -262,21 +273,29 @@ def report_plan(job: Job, plan: ShardPlan, manifest: Manifest, by_file: dict[str
 
 def finish(job: Job, manifest: Manifest, index: RankIndex, start: float) -> Manifest:
     """Mark this rank complete, and merge the manifests once every rank is."""
+    if not manifest.online:
+        read_back(job, manifest)
+    manifest.complete = True
+    save_rank(job.out, job.worker.rank, manifest, index)
+    out, world = job.out, job.worker.world
+    merged = merge_manifests(out, world)
+    totals = manifest.totals()
+    what = (f"planned {totals['tokens']:,} tokens in {len(manifest.shards)} shards for online training (nothing "
+            "stored)" if manifest.online else f"wrote {totals['tokens']:,} tokens in {len(manifest.shards)} shards, "
+            f"{totals['bytes_per_token']} bytes/token")
+    print(f"precompute: rank {job.worker.rank} {what}, {time.perf_counter() - start:.0f}s"
+          + (f"; {out / MERGED} covers all {world} rank(s)" if merged else "; waiting for other ranks"))
+    return manifest
+
+
+def read_back(job: Job, manifest: Manifest) -> None:
+    """Every shard this worker wrote, read back from disk: what it wrote is what it hashed."""
     pause_point("readback", job.worker.rank)  # test hook: the shards are on disk, not yet read back
     began = time.perf_counter()
-    problems = check_shards(job.out, manifest)  # read back from disk: what this worker wrote is what it hashed
+    problems = check_shards(job.out, manifest)
     if problems:
         raise UserError(f"rank {job.worker.rank}'s shards do not read back as written ({len(problems)} of "
                         f"{len(manifest.shards)}): {problems[0]}; check the disk, then rerun precompute with "
                         "--overwrite")
     print(f"precompute: rank {job.worker.rank} read back its {len(manifest.shards)} shards: sha256 as written "
           f"({time.perf_counter() - began:.0f}s)", file=sys.stderr)
-    manifest.complete = True
-    save_rank(job.out, job.worker.rank, manifest, index)
-    out, world = job.out, job.worker.world
-    merged = merge_manifests(out, world)
-    totals = manifest.totals()
-    print(f"precompute: rank {job.worker.rank} wrote {totals['tokens']:,} tokens in {len(manifest.shards)} shards, "
-          f"{totals['bytes_per_token']} bytes/token, {time.perf_counter() - start:.0f}s"
-          + (f"; {out / MERGED} covers all {world} rank(s)" if merged else "; waiting for other ranks"))
-    return manifest

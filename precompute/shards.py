@@ -8,18 +8,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from mtp_train.errors import UserError
 from mtp_train.io import crash_point, group_by_tokens
 from mtp_train.progress import Progress
 from mtp_train.data.dataset import Row
 from mtp_train.features.index import RankIndex, index_name
 from mtp_train.features.manifest import Manifest, ShardEntry, rank_manifest_name, save_manifest, shard_name
+from mtp_train.features.tensors import shard_tensors
 from mtp_train.features.writer import ShardWriter
 
 if TYPE_CHECKING:
-    from mtp_train.runtime.engine import Engine, ScoreOutput
+    from mtp_train.runtime.engine import Engine
 
 Encoded = tuple[list[int], list[int], bool]  # token ids, loss mask, truncated
 
@@ -64,22 +63,6 @@ def plan_shards(rows: list[Row], encoded: list[Encoded], shard_tokens: int, mani
     return plan
 
 
-def _shard_tensors(scored: ScoreOutput, rows: list[tuple[list[int], list[int]]], topk: int
-                   ) -> dict[str, torch.Tensor]:
-    tensors = {
-        "input_ids": torch.tensor([t for ids, _ in rows for t in ids], dtype=torch.int32),
-        "loss_mask": torch.tensor([m for _, mask in rows for m in mask], dtype=torch.uint8),
-        "cu_seqlens": scored.cu_seqlens.to(torch.int64),
-        "hidden": scored.hidden.to(torch.bfloat16).cpu().contiguous(),
-        "logsumexp": scored.logsumexp.float().cpu().contiguous(),
-    }
-    if topk:
-        tensors["topk_logprobs"] = scored.topk_logprobs.to(torch.bfloat16).cpu().contiguous()
-        tensors["topk_ids"] = scored.topk_ids.to(torch.int32).cpu().contiguous()
-        tensors["tail_logprob"] = scored.tail_logprob.float().cpu().contiguous()
-    return tensors
-
-
 def save_rank(out: Path, rank: int, manifest: Manifest, index: RankIndex) -> None:
     """The rank's index, then its manifest (the commit point: an index ahead of it is cut back on reading)."""
     index.save(out / index_name(rank))
@@ -112,8 +95,19 @@ def write_shards(plan: ShardPlan, manifest: Manifest, index: RankIndex, engine: 
                                   on_batch=lambda n: progress.update(n, tokens=n), keep=writer is not None)
             if writer is not None:
                 meta = {"format_version": "1", "rank": str(rank), "row_ids": json.dumps(plan.row_ids(s))}
-                writer.submit(s, out / shard_name(rank, s), _shard_tensors(scored, seqs, manifest.topk), meta)
+                writer.submit(s, out / shard_name(rank, s), shard_tensors(scored, seqs, manifest.topk, manifest.hidden_dtype), meta)
     finally:
         progress.close()
         if writer is not None:
             writer.close()
+
+
+def record_plan(plan: ShardPlan, manifest: Manifest, index: RankIndex, out: Path, rank: int) -> None:
+    """``precompute.mode: online``: record every shard of ``plan`` that ``manifest`` does not hold yet, as training
+    will score it (its rows and tokens; no file, so 0 bytes and no sha256), and save the rank once."""
+    for s in range(len(manifest.shards), len(plan)):
+        ids = plan.row_ids(s)
+        index.add(ids, plan.seq_tokens(s))
+        manifest.shards.append(ShardEntry(file=shard_name(rank, s), rank=rank, num_seqs=len(ids),
+                                          num_tokens=plan.tokens(s), sha256="", bytes=0))
+    save_rank(out, rank, manifest, index)

@@ -109,14 +109,26 @@ def small_filesystem(tmp_path):
     subprocess.run(["umount", str(mount)], check=True)
 
 
-def test_the_dry_run_prints_the_features_disk_per_array_task_and_in_total(tmp_path):
+def test_the_dry_run_prints_the_features_disk_in_bf16_and_fp8_per_array_task_and_0_online(tmp_path):
+    from mtp_train.features.space import size
+
     recipe = _recipe(tmp_path, rows=sgd_rows(10))
-    proc = run_cli(recipe, "--dry-run")
-    assert proc.returncode == 0, proc.stderr
-    line = proc.stdout.split("disk for the features:\n", 1)[1].splitlines()[0]
     hidden = json.loads((TINY_TARGET / "config.json").read_text())["hidden_size"]
-    per_token = 2 * hidden * 2 + 9 + 6 * 8 + 4  # bf16 layers [1, -1]; id, mask, log-sum-exp; top-8 and the tail
-    assert "(10 rows x " in line and f" x {per_token} B = " in line and line.endswith(": fits"), line
+    rest = 9 + 6 * 8 + 4  # id, mask, log-sum-exp; top-8 and the tail
+    bf16, fp8 = 2 * hidden * 2 + rest, 2 * (hidden + 4) + rest  # layers [1, -1]; fp8: a byte each and a scale
+    chosen = {}
+    for mode in ("bf16", "fp8", "online"):
+        override = "precompute.mode=online" if mode == "online" else f"precompute.hidden_dtype={mode}"
+        proc = run_cli(recipe, override, "--dry-run")
+        assert proc.returncode == 0, proc.stderr
+        sizes, chosen[mode] = proc.stdout.split("disk for the features:\n", 1)[1].splitlines()[:2]
+        tokens = int(sizes.split()[0].replace(",", ""))
+        assert "(10 rows x " in sizes and f"bf16 {bf16:,} B/token = {size(tokens * bf16)}" in sizes, sizes
+        assert f"fp8 {fp8:,} B/token = {size(tokens * fp8)}" in sizes, sizes
+        assert chosen[mode].endswith(": fits"), chosen[mode]
+    assert chosen["bf16"].startswith(f"  precompute.hidden_dtype bf16: {size(tokens * bf16)};"), chosen
+    assert chosen["fp8"].startswith(f"  precompute.hidden_dtype fp8: {size(tokens * fp8)};"), chosen
+    assert chosen["online"].startswith("  precompute.mode online: 0 B stored"), chosen
     slurm = run_cli("slurm", recipe, "--cpu", "--array-tasks", "4", "--dry-run")
     assert slurm.returncode == 0, slurm.stderr
     assert "MiB per array task of 4;" in slurm.stdout.split("# disk for the features:\n", 1)[1], slurm.stdout

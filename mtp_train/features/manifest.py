@@ -46,8 +46,10 @@ class ShardEntry(BaseModel):
 class Manifest(BaseModel):
     """What a features directory (or one rank's part of it) holds.
 
-    ``hidden`` is ``[T, len(layers), hidden_size]`` in ``hidden_dtype``; the last layer is stored
-    before the final norm (``last_layer_pre_norm``). ``topk`` is K of ``topk_logprobs``/``topk_ids``.
+    ``hidden`` is ``[T, len(layers), hidden_size]`` in ``hidden_dtype`` (``bfloat16``, or ``float8_e4m3fn`` with
+    ``hidden_scale [T, len(layers)]``: ``mtp_train.features.tensors``); the last layer is stored before the final
+    norm (``last_layer_pre_norm``). ``topk`` is K of ``topk_logprobs``/``topk_ids``. ``online``: the shards are
+    planned, not written (``precompute.mode: online``): training scores each one when it needs it.
     """
 
     format_version: int = FORMAT_VERSION
@@ -61,6 +63,7 @@ class Manifest(BaseModel):
     hidden_size: int
     hidden_dtype: str = "bfloat16"
     topk: int
+    online: bool = False
     regenerated: bool = False
     sampling: dict[str, Any] | None = None
     num_rows: int  # rows these ranks own (bad rows excluded); their ids are in the ranks' indexes

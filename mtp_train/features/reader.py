@@ -36,8 +36,8 @@ class FeatureReader:
     """Index of every stored sequence of a features directory, read through memory-mapped shards.
 
     ``load(ref)`` returns that sequence's tensors: ``input_ids [n]`` int32, ``loss_mask [n]`` uint8,
-    ``hidden [n, L, H]`` bf16, ``logsumexp [n]`` float32 and, when K > 0, ``topk_logprobs [n, K]``
-    bf16, ``topk_ids [n, K]`` int32 and ``tail_logprob [n]`` float32. ``read_rows`` reads many sequences' rows of several tensors, each
+    ``hidden [n, L, H]`` bf16 (or e4m3, with ``hidden_scale [n, L]`` float32), ``logsumexp [n]`` float32 and, when
+    K > 0, ``topk_logprobs [n, K]`` bf16, ``topk_ids [n, K]`` int32 and ``tail_logprob [n]`` float32. ``read_rows`` reads many sequences' rows of several tensors, each
     packed into one buffer (the trainer's batches); it is safe to call from several threads at once.
     """
 
@@ -46,6 +46,10 @@ class FeatureReader:
         self.manifest: Manifest = load_features_manifest(self.root)
         if not self.manifest.complete:
             raise UserError(f"{self.root}: features are incomplete; rerun precompute to finish them")
+        if self.manifest.online:
+            raise UserError(f"{self.root}: these features are planned for online training (precompute.mode online) "
+                            "and hold no shards; train with precompute.mode online, or rerun precompute with "
+                            "precompute.mode offline --overwrite")
         if target is not None and target_fingerprint(Path(target)) != self.manifest.fingerprint["target"]:
             raise UserError(f"{self.root}: features were computed from a different target than {target}")
         self._files: dict[str, MappedShard] = {}
@@ -73,10 +77,7 @@ class FeatureReader:
     def load(self, ref: SequenceRef) -> dict[str, torch.Tensor]:
         """Views into the memory-mapped shard (no copy until the caller packs them)."""
         f = self._open(ref.shard)
-        names = ["input_ids", "loss_mask", "hidden", "logsumexp"]
-        if self.manifest.topk:
-            names += ["topk_logprobs", "topk_ids", "tail_logprob"]
-        return {name: f.rows(name, ref.start, ref.stop) for name in names}
+        return {name: f.rows(name, ref.start, ref.stop) for name in stored_names(self.manifest)}
 
     def _file(self, shard: str) -> ShardFile:
         f = self._fds.get(shard)
@@ -174,6 +175,12 @@ class FeatureReader:
 _WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
 
 
+def stored_names(manifest: Manifest) -> list[str]:
+    """The per-token tensors a shard of ``manifest`` holds (not ``cu_seqlens``)."""
+    names = ["input_ids", "loss_mask", "hidden"] + (["hidden_scale"] if manifest.hidden_dtype != "bfloat16" else [])
+    return names + ["logsumexp"] + (["topk_logprobs", "topk_ids", "tail_logprob"] if manifest.topk else [])
+
+
 def _read_cached(fd: int, view: memoryview, offset: int) -> int:
     """Read into ``view`` from ``offset`` what the page cache holds, without waiting for the disk; the bytes read
     (0 on EAGAIN, or on a file system without ``RWF_NOWAIT``: the blocking read after it decides)."""
@@ -232,7 +239,7 @@ def _libc() -> ctypes.CDLL:
 _scratch = threading.local()
 _NOWAIT = getattr(os, "RWF_NOWAIT", None)
 _DTYPES = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16, "I32": torch.int32,
-           "I64": torch.int64, "U8": torch.uint8}
+           "I64": torch.int64, "U8": torch.uint8, "F8_E4M3": torch.float8_e4m3fn}
 
 
 def damaged(path: Path, problem: str) -> UserError:

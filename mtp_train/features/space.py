@@ -14,11 +14,13 @@ def size(n: float) -> str:
     return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
 
 
-def bytes_per_token(layers: int, hidden_size: int, topk: int) -> int:
-    """One token's bytes in a shard: the bf16 hidden states of ``layers`` stored layers, the int32 token id, the
-    uint8 loss mask and the fp32 log-sum-exp; with a top-K, K bf16 log-probs, K int32 ids and the fp32 tail mass.
-    (Each sequence adds 8 bytes of ``cu_seqlens``, and each shard its header: not counted.)"""
-    return layers * hidden_size * 2 + 4 + 1 + 4 + (6 * topk + 4 if topk else 0)
+def bytes_per_token(layers: int, hidden_size: int, topk: int, hidden_dtype: str = "bf16") -> int:
+    """One token's bytes in a shard: the hidden states of ``layers`` stored layers (bf16; or ``fp8``: one byte each
+    and a float32 scale per layer), the int32 token id, the uint8 loss mask and the fp32 log-sum-exp; with a
+    top-K, K bf16 log-probs, K int32 ids and the fp32 tail mass. (Each sequence adds 8 bytes of ``cu_seqlens``,
+    and each shard its header: not counted.) ``hidden_dtype`` is the recipe's name or the manifest's."""
+    hidden = layers * (hidden_size + 4) if hidden_dtype in ("fp8", "float8_e4m3fn") else layers * hidden_size * 2
+    return hidden + 4 + 1 + 4 + (6 * topk + 4 if topk else 0)
 
 
 def free_bytes(path: Path) -> tuple[Path, int]:
@@ -31,26 +33,31 @@ def free_bytes(path: Path) -> tuple[Path, int]:
 
 @dataclass(frozen=True)
 class DiskPlan:
-    """The features' bytes (``tokens`` x ``per_token``), split over ``tasks`` array tasks, against the free space
-    of the filesystem that holds ``features_dir``."""
+    """The features' bytes (``tokens`` x bytes per token) split over ``tasks`` array tasks, for each way to store the
+    hidden states (``per_token``: bytes per token by ``precompute.hidden_dtype``), against the free space of the
+    filesystem that holds ``features_dir``. ``stored`` is the recipe's choice, or ``online`` (nothing is written)."""
 
     features_dir: Path
     tokens: int
-    per_token: int
+    per_token: dict[str, int]
+    stored: str  # a key of per_token, or "online"
     tasks: int
     how: str  # how ``tokens`` was found, for the line
 
     @property
     def total(self) -> int:
-        return self.tokens * self.per_token
+        return 0 if self.stored == "online" else self.tokens * self.per_token[self.stored]
 
     def lines(self) -> list[str]:
         where, free = free_bytes(self.features_dir)
         verdict = "fits" if self.total <= free else "DOES NOT FIT"
         per_task = f", {size(self.total / self.tasks)} per array task of {self.tasks}" if self.tasks > 1 else ""
+        sizes = "; ".join(f"{dtype} {n:,} B/token = {size(self.tokens * n)}" for dtype, n in self.per_token.items())
+        chosen = ("precompute.mode online: 0 B stored (training scores the shards)" if self.stored == "online"
+                  else f"precompute.hidden_dtype {self.stored}: {size(self.total)}{per_task}")
         return ["disk for the features:",
-                f"  {self.tokens:,} tokens ({self.how}) x {self.per_token:,} B = {size(self.total)}{per_task}; "
-                f"{size(free)} free on the filesystem of {where}: {verdict}"]
+                f"  {self.tokens:,} tokens ({self.how}): {sizes}",
+                f"  {chosen}; {size(free)} free on the filesystem of {where}: {verdict}"]
 
     def check(self) -> None:
         """A one-line :class:`UserError` when the features' filesystem lacks the space they need."""

@@ -1,4 +1,5 @@
-"""``mtp-train verify FEATURES_DIR``: check every shard against the manifest, and the rows' coverage.
+"""``mtp-train verify FEATURES_DIR``: check every shard against the manifest, and the rows' coverage (of an online
+plan, which stores no shard, the coverage only).
 
 Each precompute worker checks the shards it wrote (their sha256 read back from disk) before it marks itself
 complete, so that a cluster's workers share the hashing; the merge after them checks headers and coverage only.
@@ -39,6 +40,9 @@ def _expected(manifest: Manifest, t: int, s: int) -> dict[str, tuple[tuple[int, 
         "hidden": ((t, len(manifest.layers), manifest.hidden_size), "BF16"),
         "logsumexp": ((t,), "F32"),
     }
+    if manifest.hidden_dtype == "float8_e4m3fn":
+        shapes["hidden"] = (shapes["hidden"][0], "F8_E4M3")
+        shapes["hidden_scale"] = ((t, len(manifest.layers)), "F32")
     if manifest.topk:
         shapes["topk_logprobs"] = ((t, manifest.topk), "BF16")
         shapes["topk_ids"] = ((t, manifest.topk), "I32")
@@ -105,7 +109,8 @@ def verify(root: Path, contents: bool = True) -> tuple[list[str], Manifest]:
     if ranks != list(range(manifest.world_size)):
         missing = sorted(set(range(manifest.world_size)) - set(ranks))
         problems.append(f"{root}: manifest(s) of rank(s) {missing} missing, e.g. {rank_manifest_name(missing[0])}")
-    problems += check_shards(root, manifest, contents)
+    if not manifest.online:  # an online plan has no files to check, only its rows' coverage
+        problems += check_shards(root, manifest, contents)
     indexes = load_indexes(root, manifest).values()
     covered = np.sort(np.concatenate([np.zeros(0, np.int64)] + [r for i in indexes for r in i.shard_rows]))
     if (covered[1:] == covered[:-1]).any():

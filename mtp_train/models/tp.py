@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -13,10 +14,13 @@ from mtp_train.errors import UserError
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """Rank ``rank`` of ``size`` ranks; ``size == 1`` means no communication at all."""
+    """Rank ``rank`` of ``size`` ranks; ``size == 1`` means no communication at all. ``group`` is the process group
+    (None: the default one, all processes) and ``src`` the global rank of its leader."""
 
     rank: int = 0
     size: int = 1
+    group: Any = field(default=None, compare=False, repr=False)
+    src: int = 0
 
     @property
     def is_leader(self) -> bool:
@@ -31,13 +35,13 @@ class TensorParallel:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
-            dist.all_reduce(x)
+            dist.all_reduce(x, group=self.group)
         return x
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Make every rank hold the leader's ``x`` (sampled tokens must agree across ranks)."""
         if self.size > 1:
-            dist.broadcast(x, src=0)
+            dist.broadcast(x, src=self.src, group=self.group)
         return x
 
 
@@ -57,3 +61,17 @@ def init_tensor_parallel(size: int, device: torch.device) -> TensorParallel:
             raise UserError(f"target.tp: {size} needs {size} processes (torchrun --nproc_per_node {size}); got {world}")
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return TensorParallel(rank=dist.get_rank(), size=dist.get_world_size())
+
+
+def tensor_parallel_groups(size: int, rank: int, world: int) -> tuple[TensorParallel, list[int]]:
+    """Rank ``rank``'s tensor-parallel group when ``world`` processes (the default process group, already joined)
+    form groups of ``size`` consecutive ranks (online training: each group scores together and its ranks train
+    data-parallel), and the group's global ranks. Every process creates every group, in the same order."""
+    if size == 1:
+        return TensorParallel(), [rank]
+    if world % size:
+        raise UserError(f"target.tp: {size} does not divide the {world} training processes; launch a multiple of "
+                        f"{size}")
+    groups = [dist.new_group(list(range(first, first + size))) for first in range(0, world, size)]
+    first = rank - rank % size
+    return TensorParallel(rank % size, size, groups[rank // size], first), list(range(first, first + size))

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mtp_train.features.reader import FeatureReader, SequenceRef, SequenceTable
+from mtp_train.features.reader import FeatureReader, SequenceRef, SequenceTable, stored_names
+from mtp_train.features.tensors import FP8, dequantize_fp8, dequantize_fp8_numpy
 
 
 @dataclass
@@ -67,11 +68,12 @@ def plan_windows(refs: SequenceTable, seed: int, epoch: int) -> list[list[str]]:
 class BatchPlan:
     """One lane's batches of one epoch: batch ``b`` is ``order[bounds[b]:bounds[b + 1]]``, indices into the
     planned sequences (``order [n]`` int64, ``bounds [B+1]`` int64); ``plan[b]`` is that list of ints. ``keys[b]``
-    names batch ``b`` for ``read_ahead`` and ``ahead[b]`` lists the shard files to read ahead of it."""
+    names batch ``b`` for ``read_ahead``, ``ahead[b]`` lists the shard files to read ahead of it and ``window[b]``
+    the shard files of its window (those online training scores for it)."""
 
-    def __init__(self, order: np.ndarray, bounds: np.ndarray, keys: list[tuple], ahead: list[tuple[str, ...]]
-                 ) -> None:
-        self.order, self.bounds, self.keys, self.ahead = order, bounds, keys, ahead
+    def __init__(self, order: np.ndarray, bounds: np.ndarray, keys: list[tuple], ahead: list[tuple[str, ...]],
+                 window: list[tuple[str, ...]]) -> None:
+        self.order, self.bounds, self.keys, self.ahead, self.window = order, bounds, keys, ahead, window
 
     def __len__(self) -> int:
         return len(self.bounds) - 1
@@ -110,7 +112,7 @@ def plan_batches(refs: SequenceTable, batch_tokens: int, seed: int, epoch: int, 
     after = [windows[w] for w in mine[1:]] + following[lane if split else 0 :][:1]  # what this lane reads next
     members = _by_shard(refs)
     lengths = np.minimum(refs.lengths, batch_tokens)
-    orders, cuts, keys, ahead = [], [np.zeros(1, np.int64)], [], []
+    orders, cuts, keys, ahead, window = [], [np.zeros(1, np.int64)], [], [], []
     for w, later in zip(mine, after):
         idx = np.concatenate([members[s] for s in windows[w]])
         gen = torch.Generator().manual_seed(((seed * 1000 + epoch) * 7919 + 1) * 100_003 + w)
@@ -119,9 +121,10 @@ def plan_batches(refs: SequenceTable, batch_tokens: int, seed: int, epoch: int, 
         starts = np.concatenate([[0], ends[:-1]])
         keys += _keys(refs, idx[starts], idx[ends - 1], ends - starts)
         ahead += [tuple(dict.fromkeys(windows[w] + later))] * len(ends)
+        window += [tuple(windows[w])] * len(ends)
         cuts.append(ends + cuts[-1][-1])
         orders.append(idx)
-    plan = BatchPlan(np.concatenate([np.zeros(0, np.int64)] + orders), np.concatenate(cuts), keys, ahead)
+    plan = BatchPlan(np.concatenate([np.zeros(0, np.int64)] + orders), np.concatenate(cuts), keys, ahead, window)
     if lanes > 1 and not split:
         plan = _every_nth(plan, lane, lanes)
     global _readahead
@@ -176,7 +179,7 @@ def _every_nth(plan: BatchPlan, lane: int, lanes: int) -> BatchPlan:
     parts = [plan.order[plan.bounds[b] : plan.bounds[b + 1]] for b in keep]
     sizes = np.asarray([len(p) for p in parts], np.int64)
     return BatchPlan(np.concatenate([np.zeros(0, np.int64)] + parts), np.concatenate([[0], np.cumsum(sizes)]),
-                     [plan.keys[b] for b in keep], [plan.ahead[b] for b in keep])
+                     [plan.keys[b] for b in keep], [plan.ahead[b] for b in keep], [plan.window[b] for b in keep])
 
 
 def _keys(refs: SequenceTable, first: np.ndarray, last: np.ndarray, n: np.ndarray) -> list[tuple]:
@@ -221,7 +224,7 @@ def load_batch(reader: FeatureReader, refs: list[SequenceRef] | SequenceTable, b
     cu = [0, *itertools.accumulate(lengths)]
     n = cu[-1]
     k = reader.manifest.topk
-    names = ["input_ids", "loss_mask", "hidden"] + (["topk_logprobs", "topk_ids", "tail_logprob"] if k else [])
+    names = [name for name in stored_names(reader.manifest) if name != "logsumexp"]
     layout = {name: reader.row_layout(name) for name in names}
     raw = {name: _staging(name, n * stored.itemsize * math.prod(row)) for name, (stored, row) in layout.items()}
     read_ahead(reader, refs)
@@ -230,7 +233,12 @@ def load_batch(reader: FeatureReader, refs: list[SequenceRef] | SequenceTable, b
     def convert(name: str, to: torch.dtype, layers: int | list[int] | None = None) -> torch.Tensor:
         stored, row = layout[name]
         src = raw[name].view(_NUMPY[stored]).reshape(n, *row)
-        return _convert(stored, src if layers is None else src[:, layers], to)
+        src = src if layers is None else src[:, layers]
+        if stored == FP8:  # e4m3 bits times their rows' scales (float32), then the training dtype
+            scale = raw["hidden_scale"].view(np.float32).reshape(n, -1)
+            values = dequantize_fp8_numpy(src, scale if layers is None else scale[:, layers])
+            return torch.from_numpy(values) if to == torch.float32 else _convert(torch.float32, values, to)
+        return _convert(stored, src, to)
 
     return Batch(
         tokens=convert("input_ids", torch.long),
@@ -255,6 +263,9 @@ def pack_per_sequence(reader: FeatureReader, refs: list[SequenceRef], batch_toke
         return torch.cat([fn(p[name][:n]) for p, n in zip(parts, cut)])
 
     k = reader.manifest.topk
+    if "hidden_scale" in parts[0]:  # FP8: each row read back through its scale
+        for p in parts:
+            p["hidden"] = dequantize_fp8(p["hidden"], p["hidden_scale"])
     return Batch(
         tokens=cat("input_ids", lambda t: t.long()),
         hidden=cat("hidden", lambda t: t[:, -1].to(dtype)),
@@ -268,7 +279,7 @@ def pack_per_sequence(reader: FeatureReader, refs: list[SequenceRef], batch_toke
 
 # Stored dtypes as numpy sees their bytes (numpy has no bfloat16: its bits are a uint16).
 _NUMPY = {torch.bfloat16: np.uint16, torch.float16: np.float16, torch.float32: np.float32, torch.int32: np.int32,
-          torch.int64: np.int64, torch.uint8: np.uint8}
+          torch.int64: np.int64, torch.uint8: np.uint8, FP8: np.uint8}
 # Conversions where numpy's cast is exactly torch's (exact widening, nonzero -> True, plain copies).
 _NUMPY_CASTS = {(torch.int32, torch.int64), (torch.uint8, torch.bool), (torch.float16, torch.float32)} | {
     (t, t) for t in (torch.float16, torch.float32, torch.int32, torch.int64, torch.uint8)}

@@ -52,7 +52,9 @@ from mtp_train.train.objective import heldout_batches, loss_weights, objective, 
 from mtp_train.train.records import append_record, start_wandb, trim_log
 from mtp_train.train.vocab import aux_indices, draft_vocab_size
 from mtp_train.features.manifest import text_fingerprint
+from mtp_train.features.online import OnlineFeatures, open_features
 from mtp_train.features.reader import FeatureReader
+from mtp_train.train.online import OnlineScoring
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -100,7 +102,7 @@ class TrainInputs:
     empty) and ``train_key``, the fingerprint of the training settings and the features a finished head records."""
 
     recipe: Recipe
-    reader: FeatureReader
+    reader: FeatureReader | OnlineFeatures
     frozen: FrozenTarget
     spec: HeadSpec
     aux: tuple[int, ...]
@@ -108,7 +110,7 @@ class TrainInputs:
 
     @classmethod
     def read(cls, recipe: Recipe) -> TrainInputs:
-        reader = FeatureReader(recipe.features_dir, target=recipe.target.path)
+        reader = open_features(recipe)
         frozen = FrozenTarget.load(recipe.target.path)
         if reader.manifest.layers[-1] != frozen.cfg.num_layers - 1:
             raise UserError(f"{recipe.features_dir}: the last stored layer must be the target's last layer")
@@ -140,7 +142,7 @@ class Trainer:
     machinery (progress line, stop request, loading thread and its pending micro-batch) starts last in ``setup``."""
 
     recipe: Recipe
-    reader: FeatureReader
+    reader: FeatureReader | OnlineFeatures
     frozen: FrozenTarget  # on the accelerator's device
     spec: HeadSpec
     aux: tuple[int, ...]
@@ -157,6 +159,7 @@ class Trainer:
     wandb_run: Any  # a wandb run on rank 0 unless disabled, else None
     started: float  # time.perf_counter() when run_train began
     plans: dict[int, list[BatchPlan]] = field(default_factory=dict)  # epoch -> this rank's lanes of batches
+    online: OnlineScoring | None = None  # the target beside the head (precompute.mode: online)
     progress: Progress = field(init=False)
     stop_request: StopRequest = field(init=False)
     prefetch: ThreadPoolExecutor = field(init=False)  # the next micro-batch loads here while the current one trains
@@ -192,13 +195,15 @@ class Trainer:
         trainer = cls(recipe, reader, frozen, inputs.spec, inputs.aux, inputs.train_key, head, model, optimizer,
                       scheduler, accelerator, loss_weights(recipe), per_epoch, total, step,
                       start_wandb(recipe, accelerator.is_main_process), started)
+        if isinstance(reader, OnlineFeatures):  # every rank at this point: a TP group scores together
+            trainer.online = OnlineScoring.start(recipe, reader, accelerator, per_epoch)
         if accelerator.is_main_process:
             trainer._announce()
         warn_if_oversubscribed("train", accelerator.is_main_process)
         trainer.progress = Progress("train", total, "steps", initial=step, enabled=accelerator.is_main_process)
         trainer.stop_request = StopRequest()
         trainer.prefetch = ThreadPoolExecutor(max_workers=1, initializer=leave_signals_to_main_thread)
-        trainer.pending = trainer.prefetch.submit(trainer._loader(step, 0)) if step < total else None
+        trainer.pending = trainer._submit(step, 0) if step < total else None
         return trainer
 
     @property
@@ -237,8 +242,15 @@ class Trainer:
         the one after (the next step's first after the last micro-batch, none after the run's last)."""
         batch = self.pending.result().to(self.device)
         following = (self.step, micro + 1) if micro + 1 < self.recipe.train.grad_accum else (self.step + 1, 0)
-        self.pending = self.prefetch.submit(self._loader(*following)) if following[0] < self.total else None
+        self.pending = self._submit(*following) if following[0] < self.total else None
         return batch
+
+    def _submit(self, step: int, micro: int) -> Future[Batch]:
+        """Start loading micro-batch ``micro`` of step ``step`` on the thread; online, the shards its step reads are
+        scored first, here on the calling thread (a TP group's ranks reach this point together)."""
+        if self.online is not None and micro == 0:
+            self.online.ensure(step)
+        return self.prefetch.submit(self._loader(step, micro))
 
     def _forward_backward(self, batch: Batch, last: bool) -> tuple[torch.Tensor, list[StepMetrics]]:
         """The loss of one micro-batch (a scalar tensor) and its metrics per unrolled step, after its backward.
@@ -356,10 +368,13 @@ class Trainer:
         return out
 
     def _release(self, cancel_loads: bool) -> None:
-        """Give the signal handlers back, close the progress line and end the loading thread."""
+        """Give the signal handlers back, close the progress line and end the loading thread (online: say what each
+        rank scored)."""
         self.stop_request.restore()
         self.progress.close()
         self.prefetch.shutdown(cancel_futures=cancel_loads)
+        if self.online is not None:  # every rank: which shards each scored is the point of the scheme
+            print(f"train: {self.online.summary(self.accelerator.process_index)}", file=sys.stderr)
 
     def _rank_digests(self) -> list[str]:
         """Every rank's SHA-256 (hex) of its head's weights, so that anyone can check the replicas stayed identical."""
