@@ -88,14 +88,9 @@ class SlurmOptions:
     def tasks(self, recipe: Recipe) -> int:
         if self.array_tasks:
             return self.array_tasks
-        if planning_only(recipe):
+        if recipe.precompute.mode == "online" and not recipe.data.regenerate:  # it only plans: no target
             return 1
         return 2 if self.cpu else max(1, self.nodes * self.gpus_per_node // recipe.target.tp)
-
-
-def planning_only(recipe: Recipe) -> bool:
-    """Online without regeneration, precompute only encodes the rows and plans the shards: no target, no GPU."""
-    return recipe.precompute.mode == "online" and not recipe.data.regenerate
 
 
 def _sbatch_lines(opts: SlurmOptions, gpus: int, cpus: int | None, memory: int | None = None) -> str:
@@ -124,6 +119,7 @@ def render(recipe_path: Path, overrides: list[str], recipe: Recipe, opts: SlurmO
     """The four scripts' text, by job name."""
     opts.check(recipe)
     tp = recipe.target.tp
+    plans_only = recipe.precompute.mode == "online" and not recipe.data.regenerate  # no target in precompute
     cpus = opts.cpus_per_task or (max(1, tp) if opts.cpu else None)
     hosts = {} if opts.cpu else job_hosts(recipe, opts.train_procs, opts.cpus_per_task)
     values = {
@@ -133,7 +129,7 @@ def render(recipe_path: Path, overrides: list[str], recipe: Recipe, opts: SlurmO
         "FEATURES_DIR": shlex.quote(str(recipe.features_dir)),
         "LOG_DIR": str(log_dir(recipe)),
         "TP": str(tp),
-        "PRECOMPUTE_TP": "1" if planning_only(recipe) else str(tp),
+        "PRECOMPUTE_TP": "1" if plans_only else str(tp),
         "LAST_TASK": str(opts.tasks(recipe) - 1),
         "NODES": str(opts.nodes),
         "PROCS_PER_NODE": str(opts.train_procs),
@@ -142,8 +138,7 @@ def render(recipe_path: Path, overrides: list[str], recipe: Recipe, opts: SlurmO
         "EVAL_TIME": opts.eval_time,
         "SIGNAL_LEAD": str(opts.signal_lead),
         "SRUN_ARGS": f" {opts.srun_args.strip()}" if opts.srun_args.strip() else "",
-        "SBATCH_PRECOMPUTE": _sbatch_lines(opts, 0 if planning_only(recipe) else tp,
-                                           *hosts.get("precompute", (cpus, None))),
+        "SBATCH_PRECOMPUTE": _sbatch_lines(opts, 0 if plans_only else tp, *hosts.get("precompute", (cpus, None))),
         "SBATCH_VERIFY": _sbatch_lines(opts, 0, 1 if opts.cpu else opts.cpus_per_task),
         "SBATCH_TRAIN": _sbatch_lines(opts, opts.gpus_per_node, *hosts.get("train", (
             opts.cpus_per_task or (opts.train_procs if opts.cpu else None), None))),
