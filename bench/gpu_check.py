@@ -73,7 +73,7 @@ GPU = Size(
      "eval": {"k": [1, 2, 3, 4], "prompt_sets": ["heldout", "spec_bench"], "max_prompts": 8, "max_new_tokens": 64,
               "batch_size": 8}},
     470, {"build": 60, "parity:random": 150, "precompute": 60, "train": 60, "train:eagle3": 45, "eval": 90,
-          "train:deepspeed": 60, "precompute:regenerate": 60, "pipeline:deepseek": 90, "precompute:tp2": 60,
+          "train:deepspeed": 60, "train:online-fp8": 60, "precompute:regenerate": 60, "pipeline:deepseek": 90, "precompute:tp2": 60,
           "parity:smollm2": 60},
 )
 SMOKE = Size(

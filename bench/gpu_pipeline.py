@@ -66,16 +66,20 @@ def extra_stages(work: Path, recipe: Path, cli: list[str], smoke: bool, gpus: in
     """``(name, commands, why it is skipped or None)`` of the stages after the main pipeline, each in its own output
     directory beside ``run/`` (reading its features where it trains): DeepSpeed ZeRO-2 in the recipe's precision
     (bf16 on the GPU), a precompute that regenerates the answers with the target, the whole pipeline on the tiny
-    DeepSeek target (MLA and experts), and a precompute at TP = 2 over NCCL where two GPUs are present."""
+    DeepSeek target (MLA and experts), online training on FP8 (the target scoring beside the head on the same
+    GPU), and a precompute at TP = 2 over NCCL where two GPUs are present."""
     features = f"precompute.features_dir={work / 'run' / 'features'}"
     small = ["data.max_rows=24", "data.heldout_rows=4"]
     deepseek = [str(DEEPSEEK), f"output_dir={work / 'deepseek'}", *small, "train.max_steps=4", "train.val_every=4",
                 "train.save_every=4", "eval.k=[1,2]", "eval.temperatures=[0.0]", "eval.prompt_sets=[heldout]",
                 "eval.max_prompts=4", "eval.max_new_tokens=16", "eval.batch_size=4", "train.wandb_mode=disabled"]
     tp2 = None if gpus >= 2 else ("not in --cpu-smoke" if smoke else f"{gpus} GPU here; TP = 2 needs two")
+    online = [str(recipe), "precompute.mode=online", "precompute.hidden_dtype=fp8", *small, "train.max_steps=4",
+              "train.val_every=4", "train.save_every=4", "eval.compare=[]", f"output_dir={work / 'online'}"]
     return [
         ("train:deepspeed", [cli + ["train", str(recipe), "train.engine=deepspeed", "train.zero_stage=2",
                                     "eval.compare=[]", f"output_dir={work / 'run-deepspeed'}", features]], None),
+        ("train:online-fp8", [cli + [stage, *online] for stage in ("precompute", "train")], None),
         ("precompute:regenerate", [cli + ["precompute", str(recipe), "data.regenerate=true", *small,
                                           "data.sampling.max_new_tokens=32", f"output_dir={work / 'regenerate'}"]],
          None),

@@ -6,8 +6,7 @@ so a failure cancels everything after it:
 1. ``precompute.sbatch``: a job array; task i of N writes the features of row block i (TP inside the task);
    online (``precompute.mode: online``) it plans them instead, on one CPU task unless it regenerates answers;
 2. ``verify.sbatch``: the array's final step: writes ``manifest.json`` if no task did, runs ``mtp-train verify``;
-3. ``train.sbatch``: torchrun on every node, requeued after a SIGUSR1 so that it resumes from ``latest``
-   (online, each process or TP group runs the target beside its head);
+3. ``train.sbatch``: torchrun on every node, requeued after a SIGUSR1 so that it resumes from ``latest``;
 4. ``eval.sbatch``: the eval and the report.
 
 Templates carry ``{{NAME}}`` placeholders; rendered scripts go to ``OUTPUT_DIR/slurm/`` and can be
@@ -336,9 +335,10 @@ def merge_features(root: Path) -> int:
     problems, manifest = verify(root, contents=False)
     for problem in problems:
         print(f"merge: {problem}", file=sys.stderr)
-    if not problems:
-        print(f"merge: {len(manifest.shards)} shards' sizes and headers, and the rows' coverage: OK (their sha256 "
-              "were checked by the array tasks that wrote them)")
+    if not problems:  # an online plan stores no shard: its rows' coverage is all there is to check
+        print(f"merge: {len(manifest.shards)} " + ("planned shards' rows' coverage: OK (online: nothing stored)" if
+              manifest.online else "shards' sizes and headers, and the rows' coverage: OK (their sha256 were "
+              "checked by the array tasks that wrote them)"))
     return 1 if problems else 0
 
 

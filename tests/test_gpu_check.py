@@ -28,8 +28,9 @@ def test_cpu_smoke_runs_every_section(tmp_path: Path) -> None:
                    "Train: mtp head, 3 steps", "| k | T | tau | alpha |", "Headline (k=",
                    "| torch over cached pages vs torch fresh | 1.0000 |", "Train: eagle3 head, 3 steps",
                    "| train:deepspeed | PASS |", "| precompute:regenerate | PASS |", "| pipeline:deepseek | PASS |",
+                   "| train:online-fp8 | PASS |",
                    "SKIP precompute:tp2: not in --cpu-smoke", "SKIP parity:smollm2: not in --cpu-smoke",
-                   "| section | result | seconds |", "| eval | PASS |", "**PASS**: 9/9 sections passed"):
+                   "| section | result | seconds |", "| eval | PASS |", "**PASS**: 10/10 sections passed"):
         assert needle in out, needle
     # The sweep covers k = 1..2 at T = 0 and 1, and the report went to $OUT.
     for k, t in ((1, 0), (2, 0), (1, 1), (2, 1)):

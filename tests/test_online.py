@@ -169,7 +169,7 @@ def scored(stderr: str) -> dict[int, int]:
 
 
 @pytest.mark.slow
-def test_ddp_ranks_score_their_own_shards_and_a_tp_group_scores_together(plans, tmp_path):
+def test_ddp_and_deepspeed_ranks_score_their_own_shards_and_a_tp_group_scores_together(plans, tmp_path):
     online = plans["online", "bf16"]
     shards = len(json.loads((load_recipe(online).features_dir / "manifest.json").read_text())["shards"])
     one = run_train_cli(online, *elsewhere(online, tmp_path / "one"), "train.epochs=1", "train.grad_accum=2")
@@ -178,9 +178,12 @@ def test_ddp_ranks_score_their_own_shards_and_a_tp_group_scores_together(plans, 
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     tp = run_train_cli(online, *elsewhere(online, tmp_path / "tp"), "train.epochs=1", "target.tp=2", launcher=2)
     assert tp.returncode == 0, tp.stderr[-3000:]
-    assert "2 process(es)" in ddp.stderr and "2 process(es)" in tp.stderr
+    zero = run_train_cli(online, *elsewhere(online, tmp_path / "zero"), "train.epochs=1", launcher="deepspeed")
+    assert zero.returncode == 0, zero.stderr[-3000:]
+    assert all("2 process(es)" in p.stderr for p in (ddp, tp, zero))
     by_rank = scored(ddp.stderr)
     assert set(by_rank) == {0, 1} and sum(by_rank.values()) <= shards and min(by_rank.values()) > 0, by_rank
+    assert scored(zero.stderr) == by_rank, "DeepSpeed's ranks score the same slices as DDP's"
     assert scored(one.stderr)[0] <= shards
     group = scored(tp.stderr)
     assert "in a TP group of 2 (ranks [0, 1])" in tp.stderr and group[0] == group[1] == sum(by_rank.values()), group

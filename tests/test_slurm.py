@@ -354,3 +354,26 @@ def test_a_failed_array_task_cancels_the_rest_of_the_chain_and_is_named(cluster,
         assert (f"slurm: {job}: job {ids[job]} CANCELLED because an earlier job failed (DependencyNeverSatisfied); "
                 f"it never ran") in proc.stderr
     assert not (tmp_path / "run" / "features" / "manifest.json").exists()
+
+
+@pytest.mark.slurm
+def test_the_online_chain_stores_nothing_and_trains_as_the_offline_one(cluster, tmp_path, data, reference):
+    """``precompute.mode: online`` on the cluster: the array plans the shards (3 tasks, no target), verify checks
+    the rows' coverage, each node's trainer scores its own shards beside its head, and the losses are the offline
+    reference's (the same plan, 1 process x 2 micro-batches)."""
+    recipe = small_recipe(tmp_path, data, precompute={"mode": "online"})
+    proc = submit_chain(recipe)
+    out = tmp_path / "run"
+    logs = "\n".join(f"== {p.name}\n{p.read_text()[-1500:]}" for p in sorted((out / "slurm" / "logs").glob("*")))
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{logs}"
+    ids = job_ids(proc.stdout)
+    manifest = json.loads((out / "features" / "manifest.json").read_text())
+    assert manifest["online"] and sorted(manifest["ranks"]) == [0, 1, 2] and manifest["totals"]["bytes"] == 0
+    assert not list((out / "features").glob("shard-*"))
+    assert "for online training (nothing stored)" in logs and "coverage: OK (online: nothing stored)" in logs
+    train_out = (out / "slurm" / "logs" / f"train-{ids['train']}.out").read_text()
+    scored = {line.split("rank ", 1)[1].split(":", 1)[0] for line in train_out.splitlines() if "online: scored" in line}
+    assert scored == {"0", "1"}, train_out[-3000:]
+    for a, b in zip(train_log(out), train_log(reference)):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-3)
+    assert (out / "eval" / "report.json").is_file()

@@ -136,7 +136,10 @@ class OnlineFeatures:
         self.rows = PlannedRows(recipe, m, self.root)
         self.cache_bytes = int(recipe.precompute.online_cache_gb * 2**30)
         self._layout = row_layouts(m)
-        self._members = {name: np.flatnonzero(self.sequences.shard == i) for i, name in enumerate(self.sequences.names)}
+        # the table lists the shards' sequences shard after shard: each shard's are one run of it
+        counts = np.bincount(self.sequences.shard, minlength=len(self.sequences.names))
+        ends = np.cumsum(counts)
+        self._members = {name: (int(end - n), int(end)) for name, n, end in zip(self.sequences.names, counts, ends)}
         self._held: OrderedDict[str, Arrays] = OrderedDict()  # scored shards, oldest first
         self._tokens: OrderedDict[str, Arrays] = OrderedDict()  # a few shards' token ids and masks
         self._heldout: tuple[Arrays, dict[int, int]] | None = None  # held-out rows, and each row's first token
@@ -220,7 +223,8 @@ class OnlineFeatures:
     def pages_needed(self, batch_tokens: int, page_size: int) -> int:
         """KV pages of the largest forward ``score`` makes here: the shards' sequences (and the held-out ones), cut
         into ``batch_tokens`` batches in order as ``Engine.score`` cuts them."""
-        groups = [self.sequences.lengths[idx] for idx in self._members.values()] + [self.heldout.lengths]
+        lengths = self.sequences.lengths
+        groups = [lengths[a:b] for a, b in self._members.values()] + [self.heldout.lengths]
         most = 1
         for lengths in groups:
             pages = -(-lengths // page_size)
@@ -229,11 +233,11 @@ class OnlineFeatures:
         return most
 
     def _score_shard(self, name: str) -> Arrays:
-        idx = self._members[name]
-        rows = self._encode([int(i) for i in self.sequences.row_id[idx]], self.sequences.lengths[idx], name)
+        a, b = self._members[name]
+        rows = self._encode(self.sequences.row_id[a:b].tolist(), self.sequences.lengths[a:b], name)
         arrays = self._scored(rows)
         self.scored += 1
-        self.scored_tokens += int(self.sequences.lengths[idx].sum())
+        self.scored_tokens += int(self.sequences.lengths[a:b].sum())
         return arrays
 
     def _scored(self, rows: list[tuple[list[int], list[int]]]) -> Arrays:
@@ -273,8 +277,8 @@ class OnlineFeatures:
         if ref.shard in self._held:
             return self._held[ref.shard], 0
         if ref.shard not in self._tokens:
-            idx = self._members[ref.shard]
-            rows = self._encode([int(i) for i in self.sequences.row_id[idx]], self.sequences.lengths[idx], ref.shard)
+            a, b = self._members[ref.shard]
+            rows = self._encode(self.sequences.row_id[a:b].tolist(), self.sequences.lengths[a:b], ref.shard)
             self._tokens[ref.shard] = {
                 "input_ids": _as_bytes(torch.tensor([t for ids, _ in rows for t in ids], dtype=torch.int32)),
                 "loss_mask": np.asarray([m for _, mask in rows for m in mask], np.uint8)}

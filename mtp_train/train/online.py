@@ -10,6 +10,7 @@ The KV cache holds the largest scoring forward of the plan and nothing more (``O
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -20,7 +21,7 @@ from mtp_train.models.tp import TensorParallel, tensor_parallel_groups
 from mtp_train.recipe import Recipe
 from mtp_train.runtime.device import resolve_dtype
 from mtp_train.runtime.engine import Engine
-from mtp_train.train.data import BatchPlan, plan_rank
+from mtp_train.train.data import BatchPlan, plan_rank, plan_windows
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -60,6 +61,11 @@ class OnlineScoring:
                 return engine.score(sequences, layers=layers, topk=topk)
 
         features.bind(score)
+        lanes, windows = world * recipe.train.grad_accum, len(plan_windows(features.train, recipe.seed, 0))
+        if lanes > windows and accelerator.is_main_process:
+            print(f"train: warning: online, {windows} shard window(s) for {lanes} lanes (processes x grad_accum): "
+                  "every rank scores every window; lower precompute.shard_tokens to give each its own",
+                  file=sys.stderr)
         return cls(recipe, features, engine, tp, members, world, per_epoch)
 
     def needed(self, step: int) -> list[str]:
