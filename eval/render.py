@@ -1,8 +1,9 @@
 """The release report rendered: Markdown, one self-contained HTML page, and the three files written.
 
-``write_report`` writes ``report.json``, ``report.md`` and a self-contained ``report.html`` (inline CSS, four
-PNG plots embedded as data URIs, no JavaScript). Everything is rendered in memory first and each file is
-written atomically, so a failure leaves no partial file behind. The schema is :mod:`mtp_train.eval.report`'s; the
+``write_report`` writes ``report.json``, ``report.md``, a self-contained ``report.html`` (inline CSS, the PNG plots
+embedded as data URIs, no JavaScript) and ``model_card.md``, the block both pages start with
+(:mod:`mtp_train.eval.model_card`). Everything is rendered in memory first and each file is written atomically,
+so a failure leaves no partial file behind. The schema is :mod:`mtp_train.eval.report`'s; the
 sections both renderers show, and the blocks they are made of, are :mod:`mtp_train.eval.sections`'.
 """
 
@@ -15,6 +16,7 @@ import re
 import tempfile
 from pathlib import Path
 
+from mtp_train.eval.model_card import card_markdown
 from mtp_train.eval.plots import PLOTS, render_plots
 from mtp_train.eval.report import FILES, Report, compare, load_report
 from mtp_train.eval.sections import sections
@@ -33,7 +35,7 @@ def _md_cell(text: str) -> str:
 
 def render_markdown(report: Report) -> str:
     """The report as Markdown (no plots; they are in the HTML)."""
-    lines = [f"# {_title(report)}", ""]
+    lines = [f"# {_title(report)}", "", card_markdown(report)]
     for title, blocks in sections(report):
         lines += [f"## {title}", ""]
         for block in blocks:
@@ -76,7 +78,9 @@ def render_html(report: Report, plots: dict[str, bytes] | None = None) -> str:
     out = ["<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',
            '<meta name="viewport" content="width=device-width, initial-scale=1">',
            f"<title>{e(_title(report))}</title>", f"<style>\n{_CSS}\n</style>", "</head>", "<body>",
-           f"<h1>{e(_title(report))}</h1>"]
+           f"<h1>{e(_title(report))}</h1>", "<h2>Model card</h2>",
+           "<p>The block below is Markdown, to paste into the head's model card (also in model_card.md).</p>",
+           f'<pre class="card">{e(card_markdown(report))}</pre>']
     for title, blocks in sections(report):
         out.append(f"<h2>{e(title)}</h2>")
         for block in blocks:
@@ -114,6 +118,7 @@ def write_report(report: Report, out_dir: Path, baseline: Path | None = None) ->
     data = report.model_dump(mode="json")
     md = render_markdown(report)
     page = render_html(report)
+    card = card_markdown(report)
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -121,6 +126,7 @@ def write_report(report: Report, out_dir: Path, baseline: Path | None = None) ->
     write_json_atomic(paths["json"], data)
     write_atomic(paths["md"], md)
     write_atomic(paths["html"], page)
+    write_atomic(paths["card"], card)
     return paths
 
 

@@ -55,7 +55,7 @@ TAU_CONVENTION = (
     "1 + accepted / drafts, given beside τ as “engine MAL”."
 )
 
-FILES = {"json": "report.json", "md": "report.md", "html": "report.html"}
+FILES = {"json": "report.json", "md": "report.md", "html": "report.html", "card": "model_card.md"}
 
 __all__ = [
     "FILES",
@@ -234,6 +234,8 @@ class Report(BaseModel):
     """The head's serving convention and what it means, e.g. ``native: reads the target's hidden state ...``."""
     serving: str | None = None
     """Where the head can be served as it was trained (:func:`mtp_train.heads.conventions.validity_line`)."""
+    card: dict[str, str] = Field(default_factory=dict)
+    """The run's facts for the model card: ``target``, ``head`` and ``data`` (:mod:`mtp_train.eval.model_card`)."""
     engine_checks: list[EngineCheck] = Field(default_factory=list)
     mode: str
     settings: dict[str, Any]

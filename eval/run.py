@@ -29,6 +29,7 @@ from mtp_train.eval.assemble import EvalContext, assemble_report
 from mtp_train.eval.loading import baseline_path, draft_vocab, eval_prompts, load_eval, other_drafter
 from mtp_train.eval.lossless import LosslessCheck, check_lossless, check_name, summarize
 from mtp_train.eval.metrics import LosslessVerdict, PointTiming, RequestTrace, sweep_point
+from mtp_train.eval.model_card import card_facts
 from mtp_train.eval.prompts import EvalPrompt
 from mtp_train.eval.render import keep_previous, write_report
 from mtp_train.eval.report import FILES, Comparison, Report, SweepPoint, TreeSetting, load_report
@@ -136,10 +137,13 @@ def _evaluate(recipe: Recipe, key: str, old: Report | None, baseline: Path | Non
     report.tree_sweep, report.comparisons = trees, comparisons
     for name, value in verdict.items():
         setattr(report, name, value)
+    spec = None
     if isinstance(drafter, HeadDrafter):
         spec = drafter.head.spec
         report.head_convention = f"{spec.convention}: {spec.describe()}"
         report.serving = validity_line(spec.kind, spec.choices, engine.cfg.family)
+    params = sum(p.numel() for p in drafter.head.parameters()) if spec is not None else None
+    report.card = card_facts(recipe, engine.cfg, spec, params, target_fingerprint(recipe.target.path))
     reference = [r.tokens for r in plain[report.temperature][1]]
     report.samples = pick_samples(prompts, replies[report.k, report.temperature], reference, tokenizer,
                                   compared=report.temperature == 0)

@@ -161,6 +161,7 @@ def sweep_table(r: Report) -> Section:
         ("table", ["k", "T", "τ", "α_j conditional", "c", "v", "expected speedup", "measured speedup",
                    "distinct-2", "lossless", "prompts", "steps", "tokens", "engine MAL"], rows),
         ("img", "tau_by_k"),
+        ("img", "speedup_by_k"),
     ])
 
 
@@ -177,7 +178,7 @@ def draft_and_verify_costs(r: Report) -> Section:
 def by_category(r: Report) -> Section:
     return (f"τ by prompt category ({_setting(r)})", [
         _group_table(r.by_category, sorted(r.by_category)) if r.by_category else ("p", "No categories recorded."),
-        ("img", "tau_by_category"),
+        ("img", "tau_by_group"),
     ])
 
 

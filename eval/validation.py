@@ -22,7 +22,7 @@ from mtp_train.runtime.drafters import HeadDrafter
 from mtp_train.train.data import Batch
 from mtp_train.train.loss import LossWeights
 from mtp_train.train.objective import validate
-from mtp_train.features.reader import FeatureReader
+from mtp_train.features.online import Features
 from mtp_train.features.tensors import read_back
 
 
@@ -32,7 +32,7 @@ def runtime_frozen(engine: Engine) -> FrozenTarget:
     return FrozenTarget(engine.cfg, m.tok_embeddings.weight, m.norm.weight, m.output.weight)
 
 
-def runtime_batches(engine: Engine, reader: FeatureReader, aux: tuple[int, ...] = ()) -> Iterator[Batch]:
+def runtime_batches(engine: Engine, reader: Features, aux: tuple[int, ...] = ()) -> Iterator[Batch]:
     """The held-out sequences (16 per batch, as the trainer groups them), re-scored by the runtime's target, with
     the outputs of layers ``aux`` as ``Batch.aux``."""
     refs = reader.heldout
@@ -77,7 +77,7 @@ def paged_forward(drafter: HeadDrafter):
 
 
 @torch.inference_mode()
-def runtime_validation(engine: Engine, drafter: HeadDrafter, reader: FeatureReader, weights: LossWeights) -> dict:
+def runtime_validation(engine: Engine, drafter: HeadDrafter, reader: Features, weights: LossWeights) -> dict:
     """``{"val_loss": [...], "val_top1": [...], ...}`` per unrolled step, by the runtime's implementations.
 
     Under tensor parallelism every rank scores (a collective forward) and only the leader, which holds the

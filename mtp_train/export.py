@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from mtp_train.eval.model_card import card_markdown
 from mtp_train.eval.report import FILES, load_report
 from mtp_train.errors import UserError
 from mtp_train.heads.conventions import ENGINE_NAMES, LOADER_FAMILIES, choices, served_by
@@ -164,14 +165,9 @@ def model_card(recipe: Recipe, spec, fmt: str, trained: dict) -> str:
         report = None
     if report is None or report.mode != spec.kind:
         lines += ["", f"No eval report of this head was found at `{report_path}`; run `mtp-train eval` for one."]
-    else:
-        lines += ["", f"Acceptance in this toolkit's runtime (`{report_path}`, {report.settings.get('num_prompts')} "
-                      f"prompts, T = 0). τ: tokens per verification step, bonus included; engine MAL: vLLM's mean "
-                      "acceptance length, 1 + accepted / drafts, comparable with what vLLM and SGLang print.", "",
-                  "| k | τ | engine MAL |", "|---:|---:|---:|"]
-        for p in sorted((p for p in report.sweep if p.temperature == 0), key=lambda p: p.k):
-            mal = "—" if p.engine_acceptance is None else f"{p.engine_acceptance.mean_acceptance_length:.3f}"
-            lines.append(f"| {p.k} | {p.tau:.3f} | {mal} |")
+    else:  # the report's own model-card block, measured in this toolkit's runtime
+        lines += ["", f"Measured in this toolkit's runtime (`{report_path}`). Engine MAL is 1 + accepted / drafts, "
+                      "comparable with what vLLM and SGLang print.", "", card_markdown(report).rstrip("\n")]
     k = spec.block_size - 1 if spec.kind == "dflash" else 3
     vllm = ["```python", f'LLM(model="{recipe.target.path}", speculative_config={{"method": "{spec.kind}", '
                          f'"model": "THIS_DIR", "num_speculative_tokens": {k}}})', "```"]

@@ -4,7 +4,9 @@ Each worker (rank r of W) owns a contiguous block of the rows. Its rows are cut,
 shards of about ``precompute.shard_tokens`` tokens; each shard is one ``Engine.score()`` call and
 one safetensors file, and each token-budget batch of that call advances the progress. A rerun
 recomputes the same plan, checks that the shards already recorded in its manifest match it, and
-continues with the first missing shard.
+continues with the first missing shard. With ``precompute.mode: online`` the same plan is recorded without
+scoring or writing a shard (the target loads only to regenerate answers): training scores the shards beside the
+head (``mtp_train.features.online``).
 """
 
 from __future__ import annotations
@@ -103,7 +105,8 @@ def run_precompute(
 
 
 def _precompute(job: Job, device: torch.device, tp: TensorParallel, overwrite: bool, start: float) -> Manifest:
-    """Score this worker's rows into shards from where an earlier run stopped, and record them."""
+    """Score this worker's rows into shards from where an earlier run stopped, and record them; online, record the
+    shards planned, unscored (training scores them)."""
     recipe = job.recipe
     online = recipe.precompute.mode == "online"
     old = resume_point(job, tp, overwrite)

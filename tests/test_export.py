@@ -83,16 +83,27 @@ def test_an_eagle_head_exports_in_the_engines_layout(eagle_run, tmp_path, fmt, a
     assert not list(tmp_path.glob(".*.tmp")), "the temporary directory was renamed into place"
 
 
-def test_the_model_card_carries_the_reports_tau_per_k(eagle_run, tmp_path):
+def test_the_model_card_carries_the_reports_block(eagle_run, tmp_path):
+    """The exported README holds the report's model-card block, the one on top of report.md and in model_card.md:
+    τ and engine MAL per k, α₁, the best measured speedup, lossless, and where the head is valid."""
+    from mtp_train.eval.model_card import card_markdown
+    from mtp_train.eval.report import load_report
+
     assert run_cli("eval", eagle_run, timeout=600).returncode == 0
     out = tmp_path / "exported"
     assert run_cli("export", eagle_run, "--format", "vllm", "--out", out).returncode == 0
     card = (out / "README.md").read_text()
-    report = json.loads((eagle_run.parent / "run" / "eval" / "report.json").read_text())
-    for point in report["sweep"]:
-        mal = point["engine_acceptance"]["mean_acceptance_length"]
-        assert f"| {point['k']} | {point['tau']:.3f} | {mal:.3f} |" in card
-    assert report["serving"].startswith("Valid in vLLM and SGLang")
+    eval_dir = eagle_run.parent / "run" / "eval"
+    report = load_report(eval_dir / "report.json")
+    block = card_markdown(report)
+    assert block.rstrip() in card and block == (eval_dir / "model_card.md").read_text()
+    assert (eval_dir / "report.md").read_text().split("\n", 2)[2].startswith(block), "report.md opens with it"
+    greedy = sorted((p for p in report.sweep if p.temperature == 0), key=lambda p: p.k)
+    taus = " / ".join(f"{p.tau:.2f}" for p in greedy) + " at k = " + " / ".join(str(p.k) for p in greedy)
+    mals = " / ".join(f"{p.engine_acceptance.mean_acceptance_length:.2f}" for p in greedy)
+    assert f"**τ** (tokens per target step, bonus included, T = 0): {taus}" in card and mals in card
+    assert "10 training steps" in card and "**Best measured speedup**: " in card
+    assert report.serving.startswith("Valid in vLLM and SGLang") and f"**Valid for**: {report.serving}" in card
 
 
 def test_an_mtp_head_on_a_llama_target_is_refused_and_nothing_is_written(trained_run, tmp_path):

@@ -65,9 +65,10 @@ def written(tmp_path_factory) -> dict[str, Path]:
 
 
 def test_json_round_trip_and_keys(written: dict[str, Path]):
-    assert set(written) == {"json", "md", "html"}
+    assert set(written) == {"json", "md", "html", "card"}
     assert all(p.is_file() for p in written.values())
-    assert {p.name for p in written["json"].parent.iterdir()} == {"report.json", "report.md", "report.html"}
+    assert {p.name for p in written["json"].parent.iterdir()} == {"report.json", "report.md", "report.html",
+                                                                   "model_card.md"}
 
     data = json.loads(written["json"].read_text())
     for key in ("tau", "alpha", "k", "temperature", "lossless", "val_loss", "val_acc", "draft_cost_ratio",
@@ -76,10 +77,10 @@ def test_json_round_trip_and_keys(written: dict[str, Path]):
     assert load_report(written["json"]) == make_report()
 
 
-def test_html_is_self_contained_with_four_png_plots(written: dict[str, Path]):
+def test_html_is_self_contained_with_every_png_plot(written: dict[str, Path]):
     page = written["html"].read_text()
     images = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
-    assert page.count("data:image/png;base64,") == 4 and len(images) == 4
+    assert page.count("data:image/png;base64,") == len(PLOTS) == len(images) == 5
     for data in images:
         assert base64.b64decode(data).startswith(PNG_MAGIC)
     assert "<script" not in page
@@ -299,3 +300,62 @@ def test_a_report_written_before_the_lossless_check_and_c_terms_still_loads(writ
     assert "Check: token identity, at temperature 0" in md and "Lossless: yes." in md
     assert "This report does not record the terms of c." in md
     assert "not recorded (the expected speedup takes v = 1)" in md
+
+
+def _with_drafts() -> Report:
+    """make_report() with an eagle head and the bigram decoded beside it, and a draft tree."""
+    from mtp_train.eval.report import Comparison, TreeSetting
+
+    others = [Comparison(name=name, sweep=[_point(k, t).model_copy(update={"tau": 1.2 + 0.1 * k})
+                                           for k in (1, 2) for t in (0.0, 0.7)]) for name in ("eagle", "bigram")]
+    tree = _point(2, 0.0).model_copy(update={"measured_speedup": 1.9, "tree": TreeSetting(topk=4, depth=2,
+                                                                                           draft_tokens=8)})
+    return make_report(comparisons=others, tree_sweep=[tree], by_prompt_set=_groups(1.8, ["heldout", "spec_bench"]))
+
+
+def test_every_plot_shows_every_draft_with_one_panel_per_temperature():
+    from mtp_train.eval.plots import figures
+
+    report = _with_drafts()
+    for point in [*report.sweep, *(p for c in report.comparisons for p in c.sweep)]:
+        point.by_prompt_set = _groups(1.8, ["heldout", "spec_bench"])
+    figs = figures(report)
+    assert list(figs) == list(PLOTS)
+
+    def labels(fig) -> list[str]:
+        return [t.get_text() for legend in fig.legends for t in legend.get_texts()]
+
+    for key in ("alpha", "tau_by_k", "speedup_by_k"):
+        titles = [ax.get_title() for ax in figs[key].axes]
+        assert len(titles) == 2 and titles[0].endswith("T=0") and titles[1].endswith("T=0.7"), (key, titles)
+    assert labels(figs["alpha"]) == [f"{d} {w}" for d in ("mtp", "eagle", "bigram")
+                                     for w in ("conditional", "unconditional")]
+    assert all(ax.get_xlabel() == "draft position j (k=2)" for ax in figs["alpha"].axes), "the deepest k"
+    assert labels(figs["speedup_by_k"]) == [f"{d} {w}" for d in ("mtp", "eagle", "bigram")
+                                            for w in ("measured", "expected")]
+    assert labels(figs["tau_by_k"]) == ["mtp τ", "eagle τ", "bigram τ"], "no engine MAL recorded here"
+    sets, cats = figs["tau_by_group"].axes
+    assert [t.get_text() for t in sets.get_xticklabels()] == ["heldout", "spec_bench"]
+    assert [t.get_text() for t in cats.get_xticklabels()] == ["chat", "code"]
+    assert len(sets.patches) == len(cats.patches) == 6 and labels(figs["tau_by_group"]) == ["mtp", "eagle", "bigram"]
+    assert labels(figs["tau_by_length"]) == ["mtp", "eagle", "bigram"]
+
+
+def test_the_model_card_block_opens_both_pages_and_its_file():
+    from mtp_train.eval.model_card import card_markdown
+
+    report = _with_drafts()
+    report.card = {"target": "`tiny` (llama, 4 layers)", "head": "mtp, 1 decoder layer(s)", "data": "`sgd.jsonl`"}
+    report.serving = "Valid in this runtime only."
+    card = card_markdown(report)
+    greedy = sorted((p for p in report.sweep if p.temperature == 0), key=lambda p: p.k)
+    assert card.startswith("## Model card\n\n- **Target**: `tiny` (llama, 4 layers)\n- **Head**: mtp")
+    assert "- **Data and steps**: `sgd.jsonl`" in card
+    assert f"(tokens per target step, bonus included, T = 0): {greedy[0].tau:.2f} / {greedy[1].tau:.2f} at k = 1 / 2" in card
+    assert "- **α₁**: 0.820 (k = 1, T = 0)" in card
+    assert "- **Best measured speedup**: 1.90× (tree (top-4, depth 2, 8 tokens), T = 0, batch ?, cpu (test))" in card
+    assert "- **Lossless**: yes" in card and "- **Valid for**: Valid in this runtime only." in card
+    md = render_markdown(report)
+    assert md.split("\n", 2)[2].startswith(card)
+    page = render_html(report, FAKE_PLOTS)
+    assert page.index("<h2>Model card</h2>") < page.index("<h2>Headline") and '<pre class="card">## Model card' in page

@@ -133,6 +133,7 @@ class OnlineFeatures:
         heldout = np.isin(self.sequences.row_id, np.asarray(m.heldout_row_ids, np.int64))
         self.train: SequenceTable = self.sequences[np.flatnonzero(~heldout)]
         self.heldout: SequenceTable = self.sequences[np.flatnonzero(heldout)]
+        self._heldout_ids = set(self.heldout.row_id.tolist())
         self.rows = PlannedRows(recipe, m, self.root)
         self.cache_bytes = int(recipe.precompute.online_cache_gb * 2**30)
         self._layout = row_layouts(m)
@@ -159,7 +160,12 @@ class OnlineFeatures:
         """Nothing was read ahead."""
 
     def load(self, ref: SequenceRef) -> dict[str, torch.Tensor]:
-        """``input_ids [n]`` int32 and ``loss_mask [n]`` uint8 of one sequence."""
+        """``input_ids [n]`` int32 and ``loss_mask [n]`` uint8 of one sequence (a held-out one encoded alone: the
+        eval reads them, spread over the shards)."""
+        if ref.shard not in self._held and ref.row_id in self._heldout_ids:
+            [(ids, mask)] = self._encode([ref.row_id], ref.stop - ref.start, f"held-out row {ref.row_id}")
+            return {"input_ids": torch.tensor(ids, dtype=torch.int32),
+                    "loss_mask": torch.tensor(mask, dtype=torch.uint8)}
         arrays, base = self._token_source(ref)
         first = base + ref.start
         return {"input_ids": torch.from_numpy(arrays["input_ids"][4 * first : 4 * (first + ref.stop - ref.start)]
@@ -253,9 +259,9 @@ class OnlineFeatures:
             assert t.dtype == dtype and tuple(t.shape[1:]) == row, (name, t.dtype, tuple(t.shape))
         return {name: _as_bytes(tensors[name]) for name in self._layout}
 
-    def _encode(self, row_ids: list[int], lengths: np.ndarray, what: str) -> list[tuple[list[int], list[int]]]:
+    def _encode(self, row_ids: list[int], lengths: np.ndarray | int, what: str) -> list[tuple[list[int], list[int]]]:
         rows = self.rows.encode(row_ids)
-        if [len(ids) for ids, _ in rows] != lengths.tolist():
+        if [len(ids) for ids, _ in rows] != np.atleast_1d(lengths).tolist():
             raise UserError(f"{self.root}: {what} encode to other lengths than the plan records (the data, its "
                             "regenerated answers or the encoding changed); rerun `mtp-train precompute` with "
                             "--overwrite")
@@ -285,3 +291,6 @@ class OnlineFeatures:
             while len(self._tokens) > TOKEN_SHARDS:
                 self._tokens.popitem(last=False)
         return self._tokens[ref.shard], 0
+
+
+Features = FeatureReader | OnlineFeatures  # what training and the eval read: stored features, or an online plan

@@ -37,8 +37,9 @@ class FeatureReader:
 
     ``load(ref)`` returns that sequence's tensors: ``input_ids [n]`` int32, ``loss_mask [n]`` uint8,
     ``hidden [n, L, H]`` bf16 (or e4m3, with ``hidden_scale [n, L]`` float32), ``logsumexp [n]`` float32 and, when
-    K > 0, ``topk_logprobs [n, K]`` bf16, ``topk_ids [n, K]`` int32 and ``tail_logprob [n]`` float32. ``read_rows`` reads many sequences' rows of several tensors, each
-    packed into one buffer (the trainer's batches); it is safe to call from several threads at once.
+    K > 0, ``topk_logprobs [n, K]`` bf16, ``topk_ids [n, K]`` int32 and ``tail_logprob [n]`` float32.
+    ``read_rows`` reads many sequences' rows of several tensors, each packed into one buffer (the trainer's
+    batches); it is safe to call from several threads at once.
     """
 
     def __init__(self, root: Path, target: Path | None = None) -> None:

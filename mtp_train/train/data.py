@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from mtp_train.features.online import Features
 from mtp_train.features.reader import FeatureReader, SequenceRef, SequenceTable, stored_names
 from mtp_train.features.tensors import FP8, dequantize_fp8, dequantize_fp8_numpy
 
@@ -195,7 +196,7 @@ def _keys(refs: SequenceTable, first: np.ndarray, last: np.ndarray, n: np.ndarra
 _readahead: dict[tuple[str, int, str, int, int], tuple[str, ...]] = {}
 
 
-def read_ahead(reader: FeatureReader, refs: list[SequenceRef] | SequenceTable) -> None:
+def read_ahead(reader: Features, refs: list[SequenceRef] | SequenceTable) -> None:
     """If ``refs`` is a batch of the latest ``plan_batches``, hand its window's and the next window's shard files
     to ``reader.read_ahead`` (read whole in the background; a no-op for files already asked for). Other batches
     (validation's) ask for nothing."""
@@ -205,7 +206,7 @@ def read_ahead(reader: FeatureReader, refs: list[SequenceRef] | SequenceTable) -
         reader.read_ahead(ahead)
 
 
-def load_batch(reader: FeatureReader, refs: list[SequenceRef] | SequenceTable, batch_tokens: int, dtype: torch.dtype,
+def load_batch(reader: Features, refs: list[SequenceRef] | SequenceTable, batch_tokens: int, dtype: torch.dtype,
                every_token: bool = False, aux: tuple[int, ...] = ()) -> Batch:
     """Read and pack ``refs`` (each cut to ``batch_tokens``); the last stored layer is the head's input, and the
     stored layers at indices ``aux`` (into ``manifest.layers``) fill ``Batch.aux``.

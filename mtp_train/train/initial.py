@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mtp_train.features.reader import FeatureReader
+from mtp_train.features.online import Features
 from mtp_train.heads import DraftHead, HeadSpec, build_head
 from mtp_train.heads.frozen import FrozenTarget
 from mtp_train.models.checkpoint import read_layer
@@ -10,7 +10,7 @@ from mtp_train.recipe import Recipe
 from mtp_train.train.vocab import frequent_tokens
 
 
-def initial_head(recipe: Recipe, spec: HeadSpec, frozen: FrozenTarget, reader: FeatureReader) -> DraftHead:
+def initial_head(recipe: Recipe, spec: HeadSpec, frozen: FrozenTarget, reader: Features) -> DraftHead:
     """An eagle3 head's vocabulary is the most frequent assistant tokens and its lm_head starts as their frozen rows;
     a dflash head's mask vector starts as the embedding of the id engines write there; ``init: target_last_layer``
     starts an mtp head's layers as the target's last layer (not eagle: see HeadConfig.init)."""

@@ -20,7 +20,7 @@ from mtp_train.train.blocks import block_loss
 from mtp_train.train.data import Batch, load_batch
 from mtp_train.train.loss import LossWeights, StepMetrics, head_loss, simulated_tau
 from mtp_train.train.ttt import ttt_loss
-from mtp_train.features.reader import FeatureReader
+from mtp_train.features.online import Features
 
 
 def loss_weights(recipe: Recipe) -> LossWeights:
@@ -34,7 +34,7 @@ def loss_weights(recipe: Recipe) -> LossWeights:
                        t.anchors or 0)
 
 
-def heldout_batches(reader: FeatureReader, batch_tokens: int, aux: tuple[int, ...] = ()) -> Iterator[Batch]:
+def heldout_batches(reader: Features, batch_tokens: int, aux: tuple[int, ...] = ()) -> Iterator[Batch]:
     """The held-out sequences, 16 per batch, in stored order (with the stored layers ``aux`` as ``Batch.aux``)."""
     refs = reader.heldout
     for i in range(0, len(refs), 16):

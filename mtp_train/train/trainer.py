@@ -52,8 +52,7 @@ from mtp_train.train.objective import heldout_batches, loss_weights, objective, 
 from mtp_train.train.records import append_record, start_wandb, trim_log
 from mtp_train.train.vocab import aux_indices, draft_vocab_size
 from mtp_train.features.manifest import text_fingerprint
-from mtp_train.features.online import OnlineFeatures, open_features
-from mtp_train.features.reader import FeatureReader
+from mtp_train.features.online import Features, OnlineFeatures, open_features
 from mtp_train.train.online import OnlineScoring
 
 if TYPE_CHECKING:
@@ -102,7 +101,7 @@ class TrainInputs:
     empty) and ``train_key``, the fingerprint of the training settings and the features a finished head records."""
 
     recipe: Recipe
-    reader: FeatureReader | OnlineFeatures
+    reader: Features
     frozen: FrozenTarget
     spec: HeadSpec
     aux: tuple[int, ...]
@@ -142,7 +141,7 @@ class Trainer:
     machinery (progress line, stop request, loading thread and its pending micro-batch) starts last in ``setup``."""
 
     recipe: Recipe
-    reader: FeatureReader | OnlineFeatures
+    reader: Features
     frozen: FrozenTarget  # on the accelerator's device
     spec: HeadSpec
     aux: tuple[int, ...]

@@ -7,13 +7,13 @@ import torch
 from mtp_train.errors import UserError
 from mtp_train.heads.eagle3 import aux_layers_for
 from mtp_train.models.config import ModelConfig
-from mtp_train.features.reader import FeatureReader
+from mtp_train.features.online import Features
 
 
 COUNT_TOKENS = 1 << 22  # assistant tokens gathered before each count over the vocabulary
 
 
-def frequent_tokens(reader: FeatureReader, n: int, vocab_size: int) -> torch.Tensor:
+def frequent_tokens(reader: Features, n: int, vocab_size: int) -> torch.Tensor:
     """``[n]`` ascending target ids of the ``n`` most frequent assistant tokens (``loss_mask`` 1) of the training
     features, ties to the smaller id (ids never seen fill up from 0, as SpecForge pads). The ids are counted over
     the vocabulary once per ``COUNT_TOKENS`` of them, not once per sequence (a 128k-long count each)."""
@@ -35,7 +35,7 @@ def draft_vocab_size(requested: int | None, vocab_size: int) -> int:
     return vocab_size if requested is None else min(requested, vocab_size)
 
 
-def aux_indices(reader: FeatureReader, aux_layers: list[int], cfg: ModelConfig) -> tuple[int, ...]:
+def aux_indices(reader: Features, aux_layers: list[int], cfg: ModelConfig) -> tuple[int, ...]:
     """Where the outputs of layers ``k - 1`` (aux ids ``k``) sit among the stored layers; refused, naming them,
     when the features lack any."""
     stored = reader.manifest.layers
