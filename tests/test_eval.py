@@ -10,6 +10,7 @@ import torch
 
 from conftest import run_cli
 from hf_models import save_random_model
+from mtp_train.eval.plots import PLOTS
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +41,7 @@ def test_eval_writes_a_lossless_report_whose_validation_matches_the_trainer(trai
         assert ours == pytest.approx(theirs, abs=0.01)
     assert [c["name"] for c in r["comparisons"]] == ["bigram"]
     html = (trained_run.parent / "run" / "eval" / "report.html").read_text()
-    assert html.count("data:image/png;base64,") == 4
+    assert html.count("data:image/png;base64,") == len(PLOTS)
     # A second run finds the report complete and skips.
     again = run_cli("eval", trained_run, "eval.compare=[bigram]", timeout=600)
     assert again.returncode == 0 and "skipped" in again.stderr
@@ -127,7 +128,7 @@ def test_a_second_eval_with_other_settings_keeps_the_first(trained_run, tmp_path
     assert "Lossless: n/a" in (run / "eval" / "report.md").read_text()
     (kept,) = (run / "eval" / "previous").iterdir()
     assert json.loads((kept / "report.json").read_text()) == r1
-    assert sorted(p.name for p in kept.iterdir()) == ["report.html", "report.json", "report.md"]
+    assert sorted(p.name for p in kept.iterdir()) == ["model_card.md", "report.html", "report.json", "report.md"]
     assert f"kept in {kept}" in second.stderr
 
 

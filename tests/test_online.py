@@ -164,8 +164,8 @@ def test_online_training_equals_offline_and_resumes_after_sigkill(plans, tmp_pat
 
 
 def scored(stderr: str) -> dict[int, int]:
-    """Shards each rank says it scored."""
-    return {int(r): int(n) for r, n in re.findall(r"rank (\d+)[^\n]*: online: scored (\d+) shard", stderr)}
+    """Shards each rank says it scored (two ranks' lines may be interleaved on the one stderr pipe)."""
+    return {int(r): int(n) for r, n in re.findall(r"rank (\d+)[^:\n]*: online: scored (\d+) shard", stderr)}
 
 
 @pytest.mark.slow

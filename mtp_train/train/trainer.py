@@ -373,7 +373,8 @@ class Trainer:
         self.progress.close()
         self.prefetch.shutdown(cancel_futures=cancel_loads)
         if self.online is not None:  # every rank: which shards each scored is the point of the scheme
-            print(f"train: {self.online.summary(self.accelerator.process_index)}", file=sys.stderr)
+            # one write: ranks share the stderr pipe, and print's separate newline lets their lines interleave
+            sys.stderr.write(f"train: {self.online.summary(self.accelerator.process_index)}\n")
 
     def _rank_digests(self) -> list[str]:
         """Every rank's SHA-256 (hex) of its head's weights, so that anyone can check the replicas stayed identical."""
