@@ -1,36 +1,35 @@
-"""The machine a bench ran on, in one line: CPU model, cores, the ISA flags that matter to the kernels, torch's
-version and threads (and the GPU, where there is one), so that a figure is never compared across machines."""
+"""The machine a bench ran on, in one line every bench prints first: the CPU's model and the flags that matter to the
+kernels, the cores, the measured read bandwidth (a ``sum`` over 1 GiB at the bench's threads), and the versions of
+the libraries it compares against, so that no figure is compared with one from another machine."""
 
 from __future__ import annotations
 
-import os
-import platform
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import torch
 
-FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "sve", "asimd")
+from mtp_train.runtime.machine import describe, read_bandwidth
+
+REPO = Path(__file__).resolve().parents[1]
 
 
-def cpu_model() -> tuple[str, list[str]]:
-    """The CPU's model name and which of ``FLAGS`` it has (from /proc/cpuinfo; the platform's name elsewhere)."""
+def _version(name: str) -> str:
     try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine(), []
-    model, flags = platform.machine(), set()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key in ("model name", "Model") and model == platform.machine():
-            model = value.strip()
-        elif key in ("flags", "Features") and not flags:
-            flags = set(value.split())
-    return model, [f for f in FLAGS if f in flags]
+        return version(name)
+    except PackageNotFoundError:
+        return "not installed"
 
 
-def machine_line() -> str:
-    model, flags = cpu_model()
-    gpu = f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
-    return (f"machine: {model} ({', '.join(flags) or 'no listed flags'}), {len(os.sched_getaffinity(0))} cores "
-            f"usable{gpu}; torch {torch.__version__}, {torch.get_num_threads()} threads")
+def vllm_version() -> str | None:
+    """vLLM's version in ``.venv-vllm`` (``make vllm``), read from its metadata without importing it; None without it."""
+    found = sorted(REPO.glob(".venv-vllm/lib/python*/site-packages/vllm*.dist-info"))
+    return found[0].name.split("-")[1].removesuffix(".dist-info") if found else None
+
+
+def machine_line(bandwidth: bool = True) -> str:
+    """``machine: ...`` naming the CPU, its read bandwidth (measured now unless ``bandwidth`` is false) and versions."""
+    read = f", read bandwidth {read_bandwidth() / 1e9:.1f} GB/s (sum over 1 GiB)" if bandwidth else ""
+    vllm = vllm_version()
+    libs = f"torch {torch.__version__}, transformers {_version('transformers')}" + (f", vLLM {vllm}" if vllm else "")
+    return f"machine: {describe()}{read}; {libs}"

@@ -11,7 +11,13 @@ Rows (each at every ``--threads`` count):
 - SmolLM2 draft-target decoding at batch 1, k = 2, with SmolLM2 as its own draft (so every draft is accepted and
   the row measures the machinery) vs transformers' assisted generation with the same assistant;
 - vLLM's CPU build, plain greedy decode of the same SmolLM2 prompts at batch 1 and 8, in its own process, at the
-  thread count equal to the cores (it binds its threads to all of them).
+  thread count equal to the cores (it binds its threads to all of them);
+- SmolLM2's decode step against this machine's memory bandwidth: the step alone (prefill excluded), the bytes it
+  reads (the weights in the form decode reads them, bf16-packed where the checkpoint's values are bf16, and the
+  KV cache), and those bytes per second over the read bandwidth (``mtp_train.runtime.machine``); with the step
+  float32 weights would allow at that bandwidth, the floor the issue's goal is stated against.
+
+The first line names the machine (CPU, flags, read bandwidth, versions): figures from another CPU never compare.
 
 **Trustworthy on a shared 2-core machine:** every side gets an untimed warm-up; the repetitions of the two sides
 interleave (the order alternating), so that drift hits both alike; each side's figure is the median of its
@@ -24,6 +30,7 @@ cannot interleave with ours: its row compares medians, and says so.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -38,6 +45,11 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.machine import machine_line  # noqa: E402
+from mtp_train.runtime.machine import read_bandwidth  # noqa: E402
+
 TINY = REPO / "recipes" / "tiny" / "target"
 SMOLLM2 = REPO / ".cache" / "smollm2-135m-instruct"
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
@@ -260,6 +272,70 @@ def vllm_decode(root: Path, prompts: list[list[int]], new_tokens: int, repeats: 
     return rows
 
 
+def decode_bytes(engine, rows: int) -> tuple[int, int]:
+    """Bytes of weights a decode step of ``rows`` rows reads as the engine holds them (a layer run in one call reads
+    its packed copies; a ``Linear`` its packed or transposed copy where it keeps one for that row count, else its
+    weight), and what float32 weights would be."""
+    from mtp_train.models.parts import Linear
+    from mtp_train.models.transformer import DecoderLayer
+
+    read = fp32 = 0
+    one_call = set()
+    for layer in engine.model.modules():
+        if isinstance(layer, DecoderLayer) and layer.decode_weights is not None and rows <= 8:
+            w = layer.decode_weights
+            read += sum(t.nbytes for t in (w.wqkv, w.wo, w.w_gate_up, w.w_down))
+            one_call |= {id(m) for m in (layer.attention.wqkv, layer.attention.wo, layer.feed_forward.w_gate_up,
+                                         layer.feed_forward.w_down)}
+    for m in engine.model.modules():
+        if isinstance(m, Linear):
+            fp32 += m.weight.numel() * 4
+            if id(m) not in one_call:
+                product = m.small_rows.get(rows)
+                read += getattr(product, "packed", m.weight).nbytes
+    return read, fp32
+
+
+def bandwidth_table(root: Path, prompts: list[list[int]], new_tokens: int, repeats: int, bandwidth: float) -> str:
+    """SmolLM2's decode steps at batch 1 and 8 (prefill excluded) against the read bandwidth: a Markdown table."""
+    from mtp_train.runtime.engine import Engine
+    from mtp_train.runtime.sampling import SamplingParams
+
+    from mtp_train.runtime.small_batch import tune
+
+    held = Engine.from_pretrained(root)  # bf16-valued weights packed in bf16, as the runtime holds them
+    fp32 = Engine.from_pretrained(root, small_batch_layout=False)
+    tune(fp32.model, bf16=False)  # every weight packed in float32
+    cfg = held.cfg
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+    lines = ["| decode step, SmolLM2 | ms per step | weights read MB (float32 would be) | KV read MB | GB/s | "
+             "of the read bandwidth | float32 weights' floor ms | step over that floor |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for batch, (name, engine) in itertools.product((1, 8), (("as held", held), ("float32 weights", fp32))):
+        weights, fp32_bytes = decode_bytes(engine, batch)
+        times, kv = [], []
+        for _ in range(repeats):
+            with torch.inference_mode():
+                scheduler, seqs = engine.start(prompts[:batch], SamplingParams(max_new_tokens=new_tokens + 2,
+                                                                               stop_token_ids=()))
+                while any(s.cached < len(s.tokens) - 1 for s in seqs):
+                    engine.step(scheduler)  # prefill, and the first token
+                engine.step(scheduler)  # one untimed decode step
+                kv.append(sum(s.cached for s in seqs) * kv_per_token + new_tokens / 2 * batch * kv_per_token)
+                start = time.perf_counter()
+                for _ in range(new_tokens):
+                    engine.step(scheduler)
+                times.append((time.perf_counter() - start) / new_tokens)
+                while not scheduler.done:
+                    engine.step(scheduler)
+        step = statistics.median(times)
+        total = weights + statistics.median(kv)
+        lines.append(f"| batch {batch}, {name} | {1000 * step:.2f} [{1000 * min(times):.2f}, {1000 * max(times):.2f}] | "
+                     f"{weights / 1e6:.0f} ({fp32_bytes / 1e6:.0f}) | {statistics.median(kv) / 1e6:.1f} | "
+                     f"{total / step / 1e9:.1f} | **{total / step / bandwidth:.2f}** | "
+                     f"{1000 * fp32_bytes / bandwidth:.1f} | {step / (fp32_bytes / bandwidth):.2f}x |")
+    return "\n".join(lines)
+
+
 class Rows(list):
     """The table's rows, each printed as soon as it is measured (a long run killed midway keeps what it measured)."""
 
@@ -278,13 +354,17 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--skip", default="", help="comma-separated: tiny, score, smollm2, draft, vllm")
+    p.add_argument("--skip", default="", help="comma-separated: tiny, score, smollm2, draft, vllm, bandwidth")
     args = p.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     smollm2 = (SMOLLM2 / "config.json").is_file() and "smollm2" not in skip
     vllm = smollm2 and VLLM_PYTHON.is_file() and "vllm" not in skip
-    print(f"torch {torch.__version__}, fp32 CPU, {os.cpu_count()} cores; {args.repeats} interleaved repetitions per "
-          f"side after a warm-up; tok/s as median [min, max]; decode {args.new_tokens} new tokens per prompt\n")
+    torch.set_num_threads(max(args.threads))
+    bandwidth = read_bandwidth()
+    print(f"{machine_line(bandwidth=False)}; read bandwidth {bandwidth / 1e9:.1f} GB/s at {max(args.threads)} threads "
+          "(sum over 1 GiB)")
+    print(f"fp32 activations; {args.repeats} interleaved repetitions per side after a warm-up; tok/s as median "
+          f"[min, max]; decode {args.new_tokens} new tokens per prompt\n")
     print("| what | threads | mtp-train tok/s | reference tok/s | ratio | identical outputs | load avg before → after |")
     print("|---|---:|---:|---:|---:|---:|---|", flush=True)
     rows = Rows()
@@ -312,6 +392,8 @@ def main() -> None:
             if "draft" not in skip:
                 rows.append(bench_draft_target(SMOLLM2, prompts[:4], args.new_tokens, max(2, args.repeats // 2),
                                                threads))
+            if "bandwidth" not in skip and threads == max(args.threads):
+                print("\n" + bandwidth_table(SMOLLM2, prompts, args.new_tokens, args.repeats, bandwidth) + "\n")
 
 
 if __name__ == "__main__":

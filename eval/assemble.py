@@ -7,11 +7,10 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-import torch
-
 from mtp_train.eval.diagnosis import diagnose
 from mtp_train.eval.report import Report, SweepPoint
 from mtp_train.recipe import Recipe
+from mtp_train.runtime.machine import describe
 
 
 @dataclass(frozen=True)
@@ -48,7 +47,7 @@ def assemble_report(recipe: Recipe, sweep: list[SweepPoint], context: EvalContex
         measured_speedup=head.measured_speedup, distinct2=head.distinct2, by_category=head.by_category,
         by_length=head.by_length, **val, val_tolerance=tol, sweep=sweep, mode=context.mode,
         settings=_settings(recipe, context),
-        versions=_versions(), device=_device(), created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        versions=_versions(), device=describe(), created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
     )
 
 
@@ -88,9 +87,3 @@ def _versions() -> dict[str, str]:
         except PackageNotFoundError:
             out[name] = "not installed"
     return out
-
-
-def _device() -> str:
-    if torch.cuda.is_available():
-        return f"cuda: {torch.cuda.get_device_name()}"
-    return f"cpu: {platform.machine()}, {torch.get_num_threads()} threads"

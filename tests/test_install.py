@@ -48,7 +48,8 @@ def test_install_claims_no_top_level_eval_or_precompute(site):
     assert top == {"mtp_train"}
     installed = {".".join(p.parent.relative_to(site).parts) for p in site.rglob("__init__.py")}
     assert installed == _tree_packages()
-    assert (site / "mtp_train" / "runtime" / "small_rows.cpp").is_file()  # package data
+    for name in ("small_rows.cpp", "paged_attention.cpp", "decode_layer.cpp", "kernels.h"):  # package data
+        assert (site / "mtp_train" / "runtime" / name).is_file(), name
 
 
 def test_installed_command_runs_from_outside_the_checkout(site, tmp_path):

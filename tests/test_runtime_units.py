@@ -156,6 +156,101 @@ def test_the_small_row_kernel_equals_blas_at_every_row_count():
         small_rows.linear(torch.randn(9, 45), packed, 77)
 
 
+def test_a_bf16_packed_weight_multiplies_as_its_float32_copy_bit_for_bit():
+    """A weight whose values all are bfloat16 (a checkpoint stored in bf16) is packed in half the bytes and gives the
+    float32 packing's products exactly; a float32 weight is not taken for one."""
+    from mtp_train.runtime import small_rows
+
+    weight = torch.randn(77, 45).bfloat16().float()
+    assert small_rows.exactly_bf16(weight) and not small_rows.exactly_bf16(torch.randn(77, 45))
+    wide, narrow = small_rows.pack(weight), small_rows.pack(weight, bf16=True)
+    assert narrow.dtype == torch.bfloat16 and narrow.shape == wide.shape
+    for rows in range(1, small_rows.MAX_ROWS + 1):
+        x = torch.randn(rows, 45)
+        assert torch.equal(small_rows.linear(x, narrow, 77), small_rows.linear(x, wide, 77)), rows
+
+
+def _step(cached: list[int], new: list[int], page: int = 4, pages: int = 32):
+    """Batch metadata for sequences holding ``cached`` tokens that append ``new`` ones."""
+    alloc = PageAllocator(pages, page)
+    tables = [PageTable() for _ in cached]
+    for table, c, n in zip(tables, cached, new):
+        alloc.reserve(table, c + n)
+    return build_batch([list(range(n)) for n in new], cached, [t.pages for t in tables], page, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("heads", [(4, 2), (3, 3)])
+def test_the_one_call_paged_attention_equals_the_sdpa_path(heads):
+    """A decode and verify step's attention in one kernel call (RoPE, cache writes, softmax over the pages) gives
+    the SDPA path's output and writes the same keys and values, for sequences of 1 to 5 new tokens at any cached
+    length (a fresh one too), across page boundaries, with grouped-query heads."""
+    from mtp_train.models.config import RopeConfig
+    from mtp_train.models.rope import RotaryEmbedding
+    from mtp_train.runtime import small_rows
+    from mtp_train.runtime.attention import TorchAttention
+
+    n_heads, n_kv, dim = *heads, 16
+    g = torch.Generator().manual_seed(0)
+    meta = _step([7, 0, 12, 3], [1, 5, 3, 2])
+    cos_sin = RotaryEmbedding(dim, RopeConfig(theta=10000.0)).cos_sin(meta.positions, torch.float32)
+    qkv = torch.randn(meta.tokens.numel(), (n_heads + 2 * n_kv) * dim, generator=g)
+    caches = [torch.randn(32, 4, n_kv, dim, generator=g) for _ in range(2)]
+    fused_k, fused_v = (c.clone() for c in caches)
+    fused = small_rows.attend(qkv, *cos_sin, fused_k, fused_v, meta.slot_mapping, meta.qo_indptr.long(),
+                              meta.kv_lens.long(), meta.page_indptr.long(), meta.page_indices.long(), n_heads, n_kv,
+                              dim**-0.5)
+    q, k, v = qkv.view(-1, n_heads + 2 * n_kv, dim).split([n_heads, n_kv, n_kv], dim=1)
+    q, k = RotaryEmbedding.rotate(torch.cat([q, k], 1), *cos_sin).split([n_heads, n_kv], dim=1)
+    ref_k, ref_v = (c.clone() for c in caches)
+    ref = TorchAttention().plan(meta, n_heads, n_kv, dim).attend(q, k, v, ref_k, ref_v).reshape(fused.shape)
+    assert torch.allclose(fused, ref, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(fused_k, ref_k, atol=1e-6) and torch.equal(fused_v, ref_v)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_decoder_layer_in_one_call_equals_it_op_by_op(family, tmp_path):
+    """On CPU a decode or verify step of up to 8 rows runs each decoder layer in one kernel call (``run_layer``):
+    the same output and cache as the layer's ops, bf16 weights packed in bf16 included; steps of more rows, trees
+    and sliding windows, and layers the kernel does not implement (q/k norms), run op by op."""
+    from hf_models import save_random_model
+    from mtp_train.models.checkpoint import load_transformer
+    from mtp_train.models.transformer import DecoderLayer
+    from mtp_train.runtime.attention import TorchAttention
+    from mtp_train.runtime.small_batch import layer_weights, tune
+
+    save_random_model(family, tmp_path, vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = load_transformer(tmp_path)
+    with torch.no_grad():  # layer 0's weights bf16 values (packed in bf16), layer 1's float32
+        for p in model.layers[0].parameters():
+            p.copy_(p.bfloat16().float())
+    tune(model)
+    assert all(layer.decode_weights is not None for layer in model.layers)
+    assert model.layers[0].decode_weights.wqkv.dtype == torch.bfloat16
+    assert model.layers[1].decode_weights.wqkv.dtype == torch.float32
+    assert (model.layers[0].decode_weights.qkv_bias is not None) == (family == "qwen2")
+    cfg = model.cfg
+    meta = _step([7, 0, 12, 3], [1, 3, 2, 2])
+    plan = TorchAttention().plan(meta, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    cos_sin = model.rope.cos_sin(meta.positions, torch.float32)
+    x = torch.randn(meta.tokens.numel(), cfg.hidden_size)
+    for layer in model.layers:
+        caches = [torch.randn(32, 4, cfg.num_kv_heads, cfg.head_dim) for _ in range(2)]
+        one = [c.clone() for c in caches]
+        with torch.inference_mode():
+            fused = plan.run_layer(x, layer.decode_weights, cos_sin, one)
+            weights, layer.decode_weights = layer.decode_weights, None
+            ref = layer(x, cos_sin, plan, caches)
+            layer.decode_weights = weights
+        assert torch.allclose(fused, ref, atol=1e-5, rtol=1e-4)
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(one, caches))
+    wide = _step([7, 0], [1, 8])
+    assert TorchAttention().plan(wide, 4, 2, 16).run_layer(x, None, cos_sin, caches) is None, "9 rows: op by op"
+    assert TorchAttention(sliding_window=8).plan(meta, 4, 2, 16).run_layer(x, None, cos_sin, caches) is None
+    layer = DecoderLayer(ModelConfig("qwen3", 64, 96, 256, 2, 4, 2, 16, 1e-6, 128, qk_norm=True), model.tp)
+    assert layer_weights(layer) is None, "q/k norms: op by op"
+
+
 @pytest.mark.parametrize("kind", ["packed", "transposed"])
 def test_the_small_batch_layout_changes_the_layout_only(kind):
     """On CPU the engine keeps copies of the weights that multiply faster so at decode sizes; the products are the
@@ -169,7 +264,7 @@ def test_the_small_batch_layout_changes_the_layout_only(kind):
     engine = Engine.from_pretrained(TINY_TARGET, small_batch_layout=False)
     keys = set(engine.model.state_dict())
     linears = [m for m in engine.model.modules() if isinstance(m, Linear)]
-    make = small_batch._packed if kind == "packed" else small_batch._transposed
+    make = small_batch.PackedWeight if kind == "packed" else small_batch._transposed
     for m in linears:  # force every shape's copy, whatever this machine measured, to test the path itself
         m.small_rows = dict.fromkeys((1, 2, 3), make(m.weight))
     for m in linears:

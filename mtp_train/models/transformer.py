@@ -65,7 +65,14 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention and MLP with residuals; DeepSeek's is latent attention, with experts when ``moe``."""
+    """Pre-norm attention and MLP with residuals; DeepSeek's is latent attention, with experts when ``moe``.
+
+    ``decode_weights``: the layer's weights in the form a plan's ``run_layer`` takes to run the whole layer in one
+    call (the runtime's CPU decode kernel sets it, ``runtime/small_batch.py``); the plan answers None for a step it
+    does not run so, and the layer then runs op by op.
+    """
+
+    decode_weights: object | None = None
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel, moe: bool = False) -> None:
         super().__init__()
@@ -75,6 +82,9 @@ class DecoderLayer(nn.Module):
         self.feed_forward = MoE(cfg, tp) if moe else FeedForward(cfg, tp)
 
     def forward(self, x: torch.Tensor, cos_sin: CosSin, plan: AttentionPlan, kv: KVPages) -> torch.Tensor:
+        run = getattr(plan, "run_layer", None) if self.decode_weights is not None else None
+        if run is not None and (out := run(x, self.decode_weights, cos_sin, kv)) is not None:
+            return out
         h = x + self.attention(self.attention_norm(x), cos_sin, plan, kv)
         return h + self.feed_forward(self.ffn_norm(h))
 

@@ -17,7 +17,9 @@ import torch.nn.functional as F
 
 from mtp_train.models.transformer import AttentionPlan
 from mtp_train.runtime.batch import BatchMetadata
+from mtp_train.runtime import small_rows
 from mtp_train.runtime.device import to_device
+from mtp_train.runtime.small_rows import LayerWeights
 
 
 class AttentionBackend(Protocol):
@@ -107,19 +109,42 @@ class TorchStep:
 
     def __init__(self, meta: BatchMetadata, sliding_window: int | None, causal: bool = True) -> None:
         bounds, kv_lens = meta.host_qo_indptr.tolist(), meta.host_kv_lens.tolist()  # (the host's copies)
-        self.causal = causal
+        self.meta, self.sliding_window, self.causal = meta, sliding_window, causal
         self.slot_mapping = meta.slot_mapping
         self.num_tokens = bounds[-1]
         self.fresh: list[tuple[int, int]] = []  # token ranges of fresh prefills
-        by_len: dict[int, list[int]] = {}
+        self._by_len: dict[int, list[int]] = {}
         for b, kv_len in enumerate(kv_lens):
             q_len = bounds[b + 1] - bounds[b]
             if sliding_window is None and q_len == kv_len and meta.tree is None:
                 self.fresh.append((bounds[b], bounds[b + 1]))
             else:
-                by_len.setdefault(q_len, []).append(b)
-        self.groups = [_Group(meta, run, q_len, sliding_window, bounds, kv_lens, causal)
-                       for q_len, seqs in by_len.items() for run in _similar_lengths(seqs, kv_lens)]
+                self._by_len.setdefault(q_len, []).append(b)
+        self._groups: list[_Group] | None = None
+        # the step's layers may run as one kernel call each (``run_layer``): a decode or verify of few rows on CPU
+        self._one_call = (self.num_tokens <= small_rows.MAX_ROWS and causal and sliding_window is None
+                          and meta.tree is None and meta.tokens.device.type == "cpu" and small_rows.kernel() is not None)
+        if self._one_call:
+            self._indexes = (meta.slot_mapping, meta.host_qo_indptr.long(), meta.host_kv_lens.long(),
+                             meta.host_page_indptr.long(), meta.page_indices.long())
+
+    @property
+    def groups(self) -> list[_Group]:
+        """The padded SDPA groups (built on first use: a step whose layers all run in one call needs none)."""
+        if self._groups is None:
+            bounds, kv_lens = self.meta.host_qo_indptr.tolist(), self.meta.host_kv_lens.tolist()
+            self._groups = [_Group(self.meta, run, q_len, self.sliding_window, bounds, kv_lens, self.causal)
+                            for q_len, seqs in self._by_len.items() for run in _similar_lengths(seqs, kv_lens)]
+        return self._groups
+
+    def run_layer(self, x: torch.Tensor, weights: LayerWeights, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                  kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | None:
+        """A decoder layer over this step's rows ``x [T, H]`` in one call of ``decode_layer.cpp`` (its weights packed
+        by ``runtime/small_batch.py``) -> ``[T, H]``; None where this step or these tensors are not for it (the
+        layer then runs op by op)."""
+        if not self._one_call or x.requires_grad or x.dtype != torch.float32 or kv[0].dtype != torch.float32:
+            return None
+        return small_rows.decode_layer(x.contiguous(), weights, *cos_sin, *kv, *self._indexes)
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor

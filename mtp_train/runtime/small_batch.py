@@ -7,9 +7,13 @@ rows cost 1.5–2.1× one, ``bench/small_m_matmul.py``), and their speed depends
 layout (``F.linear``) against one copy over every weight of that shape (so that the times are of memory reads,
 not of cache hits), and gives the shape's ``Linear`` modules that copy for the row counts where it is faster by
 ``MARGIN``. The copy is the packed weight of ``runtime/small_rows.py``'s kernel, which reads the weight once for
-all rows, where that kernel builds; otherwise a transposed ``[in, out]`` copy, which BLAS reads faster for some
-shapes. It costs the copy's memory, on CPU only, and changes products only by rounding (the parity tests run
-with it).
+all rows, where that kernel builds (in bfloat16, half the bytes, where every value of the weight is one: a
+checkpoint stored in bf16); otherwise a transposed ``[in, out]`` copy, which BLAS reads faster for some shapes. It
+costs the copy's memory, on CPU only, and changes products only by rounding (the parity tests run with it).
+
+With the kernel, ``tune`` also gives each decoder layer the kernel implements its weights in the form
+``decode_layer.cpp`` takes (``layer_weights``): a CPU decode or verify step of up to ``MAX_ROWS`` rows then runs
+each such layer in one call instead of about 40 ops.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtp_train.models.parts import Linear
+from mtp_train.models.parts import FeedForward, Linear, RMSNorm
+from mtp_train.models.transformer import Attention, DecoderLayer
 from mtp_train.runtime import small_rows
 
 MAX_ROWS = small_rows.MAX_ROWS  # batch-8 decode steps, and verifies of k <= 7 at batch 1
@@ -41,9 +46,18 @@ def _time(fn, repeats: int = REPEATS) -> float:
     return best
 
 
-def _packed(weight: torch.Tensor) -> Product:
-    packed, out = small_rows.pack(weight), weight.shape[0]
-    return lambda x: small_rows.linear(x, packed, out)
+class PackedWeight:
+    """A weight packed for the small-row kernel (in bfloat16 where ``bf16`` and its values all are bfloat16), called
+    as its product ``x [rows, in] -> [rows, out]``."""
+
+    def __init__(self, weight: torch.Tensor, bf16: bool = True) -> None:
+        self.packed = small_rows.pack(weight, bf16=bf16 and small_rows.exactly_bf16(weight))
+        self.out_features = weight.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return small_rows.linear(x, self.packed, self.out_features)
+
+
 
 
 def _transposed(weight: torch.Tensor) -> Product:
@@ -56,12 +70,12 @@ def copy_kind() -> str:
     return "packed" if small_rows.kernel() is not None else "transposed"
 
 
-def tune(model: nn.Module, kind: str | None = None) -> dict[tuple[int, int], list[int]]:
+def tune(model: nn.Module, kind: str | None = None, bf16: bool = True) -> dict[tuple[int, int], list[int]]:
     """Give ``model``'s float32 CPU ``Linear`` modules a copy of their weight (``kind``: ``packed`` or
     ``transposed``, by default ``copy_kind()``) for the row counts where it pays; returns ``(out, in)`` shape ->
-    those row counts (for logs and benchmarks)."""
+    those row counts (for logs and benchmarks). ``bf16=False`` packs every weight in float32 (benchmarks)."""
     kind = kind or copy_kind()
-    make = _packed if kind == "packed" else _transposed
+    make = (lambda w: PackedWeight(w, bf16)) if kind == "packed" else _transposed
     by_shape: dict[tuple[int, int], list[Linear]] = {}
     for module in model.modules():
         if isinstance(module, Linear) and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32:
@@ -70,7 +84,8 @@ def tune(model: nn.Module, kind: str | None = None) -> dict[tuple[int, int], lis
     with torch.no_grad():
         for shape, modules in by_shape.items():
             products = None  # the copies, made only to be measured or kept
-            key = (shape, len(modules), torch.get_num_threads(), kind)
+            halved = kind == "packed" and bf16 and all(small_rows.exactly_bf16(m.weight) for m in modules)
+            key = (shape, len(modules), torch.get_num_threads(), kind + "-bf16" * halved)
             if key not in _MEASURED:  # once per process for a shape, count, thread count and kind
                 products = [make(m.weight) for m in modules]
                 weights, rows = [m.weight for m in modules], []
@@ -85,4 +100,37 @@ def tune(model: nn.Module, kind: str | None = None) -> dict[tuple[int, int], lis
                 for module, product in zip(modules, products or [make(m.weight) for m in modules]):
                     module.small_rows = dict.fromkeys(rows, product)
                 chosen[shape] = rows
+        if kind == "packed":
+            for layer in model.modules():
+                if isinstance(layer, DecoderLayer) and (weights := layer_weights(layer, bf16)) is not None:
+                    layer.decode_weights = weights
     return chosen
+
+
+def layer_weights(layer: DecoderLayer, bf16: bool = True) -> small_rows.LayerWeights | None:
+    """``layer``'s weights as ``decode_layer.cpp`` runs the whole layer in one call (its projections packed), or None
+    for a layer that kernel does not implement: latent attention or experts (DeepSeek), q/k norms (Qwen3), biases
+    past the q/k/v projection, tensor parallelism, a replaced norm (EAGLE's), or weights not float32 on the CPU."""
+    attention, mlp = layer.attention, layer.feed_forward
+    if not (isinstance(attention, Attention) and isinstance(mlp, FeedForward)):
+        return None
+    norms = (layer.attention_norm, layer.ffn_norm)
+    linears = (attention.wqkv, attention.wo, mlp.w_gate_up, mlp.w_down)
+    hidden = attention.wo.out_features
+    if (attention.q_norm is not None or attention.wo_bias is not None or mlp.w_down_bias is not None
+            or mlp.w_gate_up.bias is not None or attention.tp.size > 1 or mlp.tp.size > 1
+            or not all(isinstance(n, RMSNorm) and n.weight.numel() == hidden for n in norms)
+            or norms[0].eps != norms[1].eps or attention.wqkv.in_features != hidden
+            or any(t.device.type != "cpu" or t.dtype != torch.float32
+                   for t in (*(m.weight for m in linears), *(n.weight for n in norms)))):
+        return None
+
+    def packed(linear: Linear) -> torch.Tensor:  # the copy ``tune`` keeps for its products where it keeps one
+        kept = next((p for p in linear.small_rows.values() if isinstance(p, PackedWeight)), None)
+        return (kept or PackedWeight(linear.weight, bf16)).packed
+
+    return small_rows.LayerWeights(
+        norms[0].weight.detach(), packed(attention.wqkv),
+        None if attention.wqkv.bias is None else attention.wqkv.bias.detach(), packed(attention.wo),
+        norms[1].weight.detach(), packed(mlp.w_gate_up), packed(mlp.w_down), norms[0].eps,
+        attention.n_heads, attention.n_kv_heads, attention.head_dim**-0.5)

@@ -1,10 +1,17 @@
-"""The CPU small-row matmul kernel (``small_rows.cpp``): built on first use, or ``None`` where it cannot be.
+"""The runtime's CPU kernels, built on first use into one library, or ``None`` where they cannot be:
 
-The kernel multiplies 1..``MAX_ROWS`` rows by a weight packed once (``pack``), reading the weight once for all rows;
-``runtime/small_batch.py`` measures where it beats BLAS and gives those weights a packed copy. It is compiled with
+- the small-row matmul (``small_rows.cpp``) multiplies 1..``MAX_ROWS`` rows by a weight packed once (``pack``; in
+  bfloat16 where the weight's values all are bfloat16), reading the weight once for all rows;
+  ``runtime/small_batch.py`` measures where it beats BLAS and gives those weights a packed copy;
+- the paged attention of a decode or verify step (``paged_attention.cpp``, ``attend``): rotary embedding, the
+  cache writes and every query's softmax over its pages in one call;
+- a whole decoder layer of such a step in one call (``decode_layer.cpp``, ``decode_layer``): the norms, the packed
+  projections, that attention and the gated MLP (``runtime/attention.py``'s plan runs the layers so).
+
+The library is compiled with
 ``torch.utils.cpp_extension`` (g++ and ninja, both installed with the project's environment) for this machine
 (``-march=native``, ``-fopenmp`` for torch's threads) into ``$XDG_CACHE_HOME/mtp-train/`` (``~/.cache`` by default;
-``MTP_TRAIN_KERNEL_DIR`` overrides it), keyed by the source, the flags, torch's version and the CPU's instruction
+``MTP_TRAIN_KERNEL_DIR`` overrides it), keyed by the sources, the flags, torch's version and the CPU's instruction
 set, so a build is reused and never loaded on a machine it was not built for; a build is finished in a scratch
 directory and then renamed into place, so no process ever waits on another's lock (see ``library``). Where the
 build fails (no compiler, say), one warning names the reason and the engine runs on BLAS alone.
@@ -21,12 +28,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("small_rows.cpp")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("small_rows.cpp", "paged_attention.cpp", "decode_layer.cpp"))
+HEADER = Path(__file__).with_name("kernels.h")
 MAX_ROWS = 8
 LIBRARY = "mtp_small_rows.so"
 BUILD_TIMEOUT_S = 600
@@ -39,7 +48,7 @@ log = logging.getLogger(__name__)
 _BUILD = """
 import sys
 from torch.utils.cpp_extension import load
-load(name="mtp_small_rows", sources=[sys.argv[1]], build_directory=sys.argv[2], is_python_module=False,
+load(name="mtp_small_rows", sources=sys.argv[1].split(","), build_directory=sys.argv[2], is_python_module=False,
      extra_cflags=sys.argv[3].split(), extra_ldflags=["-fopenmp"], verbose=False)
 """
 
@@ -66,7 +75,7 @@ def library(where: Path) -> Path:
             shutil.rmtree(stale, ignore_errors=True)
     scratch = Path(tempfile.mkdtemp(prefix=f"{where.name}.build-", dir=where.parent))
     try:
-        done = subprocess.run([sys.executable, "-c", _BUILD, str(SOURCE), str(scratch), " ".join(FLAGS)],
+        done = subprocess.run([sys.executable, "-c", _BUILD, ",".join(map(str, SOURCES)), str(scratch), " ".join(FLAGS)],
                               capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:
             lines = (done.stderr or done.stdout).strip().splitlines()
@@ -88,7 +97,7 @@ def library(where: Path) -> Path:
 def kernel_dir() -> Path:
     """Where this source, torch version and CPU's build lives (or will)."""
     # "scratch-then-rename" keeps apart the directories torch's builder wrote in place before ``library`` existed
-    key = hashlib.sha256(SOURCE.read_bytes() + f"{torch.__version__} {platform.machine()} "
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in (*SOURCES, HEADER)) + f"{torch.__version__} {platform.machine()} "
                          f"{torch.backends.cpu.get_cpu_capability()} {' '.join(FLAGS)} scratch-then-rename"
                          .encode()).hexdigest()[:12]
     return build_dir() / f"small_rows-{key}"
@@ -96,7 +105,8 @@ def kernel_dir() -> Path:
 
 @cache
 def kernel() -> object | None:
-    """The loaded ops (``kernel().pack``, ``kernel().linear``), or ``None`` where the kernel cannot be built."""
+    """The loaded matmul ops (``kernel().pack``, ``kernel().linear``; ``attend`` is loaded with them), or ``None``
+    where the library cannot be built."""
     where = kernel_dir()
     try:
         torch.ops.load_library(str(library(where)))
@@ -107,9 +117,54 @@ def kernel() -> object | None:
     return torch.ops.mtp_small_rows
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight [N, K]`` -> its packed copy ``[ceil(N / 32), K, 32]`` for ``linear``."""
-    return kernel().pack(weight)
+def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           slots: torch.Tensor, q_start: torch.Tensor, kv_lens: torch.Tensor, page_start: torch.Tensor,
+           pages: torch.Tensor, n_heads: int, n_kv_heads: int, scale: float) -> torch.Tensor:
+    """One layer's attention of a decode or verify step (``paged_attention.cpp`` gives the shapes): ``qkv [T, (Hq +
+    2 Hkv) D]`` float32 -> ``[T, Hq D]``, the rotated keys and the values stored at ``slots`` on the way."""
+    return torch.ops.mtp_paged_attention.attend(qkv, cos, sin, k_cache, v_cache, slots, q_start, kv_lens, page_start,
+                                                pages, n_heads, n_kv_heads, scale)
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """A decoder layer as ``decode_layer`` takes it: its norms' weights ``[H]``, its projections packed (``pack``), the
+    q/k/v bias (or None), and its attention's sizes."""
+
+    attention_norm: torch.Tensor
+    wqkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    wo: torch.Tensor
+    ffn_norm: torch.Tensor
+    w_gate_up: torch.Tensor
+    w_down: torch.Tensor
+    eps: float
+    num_heads: int
+    num_kv_heads: int
+    scale: float
+
+
+def decode_layer(x: torch.Tensor, w: LayerWeights, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slots: torch.Tensor, q_start: torch.Tensor, kv_lens: torch.Tensor,
+                 page_start: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """A decoder layer over ``x [T, H]`` float32 (T <= ``MAX_ROWS``) in one call -> ``[T, H]``; the attention's
+    arguments as ``attend`` takes them."""
+    return torch.ops.mtp_decode_layer.decode_layer(
+        x, w.attention_norm, w.wqkv, w.qkv_bias, w.wo, w.ffn_norm, w.w_gate_up, w.w_down, w.eps, cos, sin, k_cache,
+        v_cache, slots, q_start, kv_lens, page_start, pages, w.num_heads, w.num_kv_heads, w.scale)
+
+
+def exactly_bf16(weight: torch.Tensor) -> bool:
+    """Whether every value of the float32 ``weight`` is a bfloat16 (a checkpoint stored in bf16), so that a bf16
+    copy of it loses nothing."""
+    return bool(torch.equal(weight, weight.to(torch.bfloat16).to(weight.dtype)))
+
+
+def pack(weight: torch.Tensor, bf16: bool = False) -> torch.Tensor:
+    """``weight [N, K]`` float32 -> its packed copy ``[ceil(N / 32), K, 32]`` for ``linear``: float32, or bfloat16
+    with ``bf16`` (half the bytes to read; only for a weight that is ``exactly_bf16``, where ``linear``'s products
+    are then the float32 copy's bit for bit)."""
+    return kernel().pack(weight, bf16)
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
@@ -118,4 +173,4 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Te
 
 
 if __name__ == "__main__":  # `make venv` builds it once, so that the first engine does not wait for g++
-    print(f"CPU small-row kernel: {'built' if kernel() is not None else 'not built, BLAS alone'} ({build_dir()})")
+    print(f"CPU kernels: {'built' if kernel() is not None else 'not built, BLAS and torch alone'} ({build_dir()})")

@@ -1,0 +1,98 @@
+// A whole decoder layer of a CPU decode or verify step in one call: RMSNorm, the fused q/k/v projection (with its
+// bias, where the family has one), the paged attention, the output projection and its residual, RMSNorm, the
+// gated MLP and its residual.
+//
+// At batch 1 the layer's arithmetic is its weights' read; what torch's path adds on top is about 40 dispatched
+// ops per layer, 1,200 per SmolLM2 step, which cost a third of the step once the weights stream at the memory's
+// bandwidth (bench/RESULTS.md, "Decode at the memory-bandwidth limit"). The products are the small-row kernel's
+// (small_rows.cpp) and the attention paged_attention.cpp's; the norms and the activation round as torch's do, up
+// to the order of a sum.
+//
+// Built into the same library as small_rows.cpp (mtp_train/runtime/small_rows.py), with the same flags.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <optional>
+
+#include "kernels.h"
+
+namespace {
+
+// x [T, H] -> x * rsqrt(mean(x^2) + eps) * w, row by row.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  const int64_t t = x.size(0), h = x.size(1);
+  auto y = at::empty({t, h}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t r = 0; r < t; ++r) {
+    const float* row = xp + r * h;
+    float squares = 0.f;
+    for (int64_t i = 0; i < h; ++i) squares += row[i] * row[i];
+    const float scale = 1.f / std::sqrt(squares / static_cast<float>(h) + static_cast<float>(eps));
+    for (int64_t i = 0; i < h; ++i) yp[r * h + i] = row[i] * scale * wp[i];
+  }
+  return y;
+}
+
+// gate_up [T, 2I] ([gate | up] per row) -> silu(gate) * up [T, I].
+at::Tensor silu_gate(const at::Tensor& gate_up) {
+  const int64_t t = gate_up.size(0), inter = gate_up.size(1) / 2;
+  auto y = at::empty({t, inter}, gate_up.options());
+  const float* g = gate_up.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, t * inter, 4096, [&](int64_t a, int64_t b) {
+    for (int64_t j = a; j < b; ++j) {
+      const int64_t r = j / inter, i = j % inter;
+      const float gate = g[r * 2 * inter + i];
+      yp[j] = gate / (1.f + std::exp(-gate)) * g[r * 2 * inter + inter + i];
+    }
+  });
+  return y;
+}
+
+// x += y, both [T, H].
+void add_into(at::Tensor& x, const at::Tensor& y) {
+  float* xp = x.data_ptr<float>();
+  const float* yp = y.data_ptr<float>();
+  for (int64_t i = 0, n = x.numel(); i < n; ++i) xp[i] += yp[i];
+}
+
+// x [T, H] float32 (T <= 8) -> the layer's output [T, H]; the weights are packed by small_rows.cpp's pack (qkv
+// [(Hq + 2 Hkv) D, H], o [H, Hq D], gate_up [2I, H], down [H, I]); norms [H] float32; the attention's arguments as
+// paged_attention.cpp's attend takes them.
+at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& attention_norm, const at::Tensor& wqkv,
+                        const std::optional<at::Tensor>& qkv_bias, const at::Tensor& wo, const at::Tensor& ffn_norm,
+                        const at::Tensor& w_gate_up, const at::Tensor& w_down, double eps, const at::Tensor& cos,
+                        const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots,
+                        const at::Tensor& q_start, const at::Tensor& kv_lens, const at::Tensor& page_start,
+                        const at::Tensor& pages, int64_t n_heads, int64_t n_kv_heads, double scale) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "decode_layer: x [T, H] float32");
+  for (const at::Tensor* norm : {&attention_norm, &ffn_norm})
+    TORCH_CHECK(norm->is_contiguous() && norm->scalar_type() == at::kFloat && norm->numel() == x.size(1),
+                "decode_layer: norm weights [H] float32");
+  const int64_t hidden = x.size(1), head_dim = k_cache.size(3), inter = w_down.size(1);
+  at::Tensor qkv = mtp_kernels::linear(rms_norm(x, attention_norm, eps), wqkv, (n_heads + 2 * n_kv_heads) * head_dim);
+  if (qkv_bias.has_value()) qkv.add_(*qkv_bias);
+  const at::Tensor attended = mtp_kernels::attend(qkv, cos, sin, k_cache, v_cache, slots, q_start, kv_lens,
+                                                  page_start, pages, n_heads, n_kv_heads, scale);
+  at::Tensor h = x.clone();
+  add_into(h, mtp_kernels::linear(attended, wo, hidden));
+  const at::Tensor act = silu_gate(mtp_kernels::linear(rms_norm(h, ffn_norm, eps), w_gate_up, 2 * inter));
+  add_into(h, mtp_kernels::linear(act, w_down, hidden));
+  return h;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(mtp_decode_layer, lib) {
+  lib.def("decode_layer(Tensor x, Tensor attention_norm, Tensor wqkv, Tensor? qkv_bias, Tensor wo, Tensor ffn_norm, "
+          "Tensor w_gate_up, Tensor w_down, float eps, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
+          "Tensor(b!) v_cache, Tensor slots, Tensor q_start, Tensor kv_lens, Tensor page_start, Tensor pages, "
+          "int n_heads, int n_kv_heads, float scale) -> Tensor", decode_layer);
+}

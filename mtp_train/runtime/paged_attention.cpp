@@ -1,0 +1,148 @@
+// The attention of a CPU decode or verify step in one call: rotary embedding of the queries and keys, the new keys
+// and values stored in their cache slots, and each query's softmax over its sequence's paged keys.
+//
+// Torch's path does this in about 30 small ops per layer (split, rotate, two cache writes, two page gathers, a
+// padded mask, SDPA, transposes): at batch 1 their dispatch costs more than the arithmetic, which is a few
+// thousand multiply-adds per head. Here every query row and head is one work item: its scores over the keys
+// its causal mask lets it see (read in place from the pages, no gather, no mask), a softmax, and the weighted sum
+// of the values. Each row's result depends on its own sequence alone, never on the rest of the batch.
+//
+// Built into the same library as small_rows.cpp (mtp_train/runtime/small_rows.py), with the same flags.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include "kernels.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// x [D] rotated by the half-rotation layout (HF Llama): out[i] = x[i] cos[i] - x[i + D/2] sin[i] for i < D/2,
+// x[i] cos[i] + x[i - D/2] sin[i] above; products rounded one by one as torch's x * cos + rotate(x) * sin.
+inline void rotate(const float* x, const float* cos, const float* sin, float* out, int64_t d) {
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < d; ++i) {
+    const float rot = i < half ? -x[i + half] : x[i - half];
+    const float a = x[i] * cos[i];
+    const float b = rot * sin[i];
+    out[i] = a + b;
+  }
+}
+
+typedef float vec __attribute__((vector_size(64)));
+constexpr int64_t LANES = 16;
+
+inline float dot(const float* a, const float* b, int64_t d) {
+  vec acc = {};
+  int64_t i = 0;
+  for (; i + LANES <= d; i += LANES) {
+    vec x, y;
+    std::memcpy(&x, a + i, sizeof(vec));
+    std::memcpy(&y, b + i, sizeof(vec));
+    acc += x * y;
+  }
+  float s = 0.f;
+  for (int64_t l = 0; l < LANES; ++l) s += acc[l];
+  for (; i < d; ++i) s += a[i] * b[i];
+  return s;
+}
+
+}  // namespace
+
+namespace mtp_kernels {
+
+// qkv [T, (Hq + 2 Hkv) D] float32: each token's queries, keys and values (the fused projection's output);
+// cos, sin [T, D]; k_cache, v_cache [pages, page_size, Hkv, D] (written at ``slots [T]``); ``q_start [B + 1]``,
+// ``kv_lens [B]``, ``page_start [B + 1]``, ``pages [N]`` int64: sequence b's new tokens are rows
+// q_start[b]..q_start[b + 1] of qkv, it holds kv_lens[b] tokens after this step, in pages
+// pages[page_start[b]..page_start[b + 1]]. Query i of b sees keys 0..kv_lens[b] - q_len + i. -> [T, Hq D].
+at::Tensor attend(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
+                  at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& q_start, const at::Tensor& kv_lens,
+                  const at::Tensor& page_start, const at::Tensor& pages, int64_t n_heads, int64_t n_kv_heads,
+                  double scale) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.scalar_type() == at::kFloat, "attend: qkv [T, C] float32");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
+                  k_cache.scalar_type() == at::kFloat && v_cache.sizes() == k_cache.sizes(),
+              "attend: k_cache, v_cache [pages, page_size, Hkv, D] float32");
+  const int64_t t_total = qkv.size(0), d = k_cache.size(3), page_size = k_cache.size(1);
+  TORCH_CHECK(qkv.size(1) == (n_heads + 2 * n_kv_heads) * d && k_cache.size(2) == n_kv_heads &&
+                  n_heads % n_kv_heads == 0, "attend: head counts do not match qkv and the cache");
+  for (const at::Tensor* t : {&slots, &q_start, &kv_lens, &page_start, &pages})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->device().is_cpu(), "attend: int64 indexes");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == t_total * d && sin.numel() == t_total * d,
+              "attend: cos, sin [T, D] contiguous");
+  const int64_t batch = kv_lens.numel(), width = qkv.size(1), group = n_heads / n_kv_heads;
+  const float* x = qkv.data_ptr<float>();
+  const float* c = cos.data_ptr<float>();
+  const float* s = sin.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t* qs = q_start.data_ptr<int64_t>();
+  const int64_t* kvl = kv_lens.data_ptr<int64_t>();
+  const int64_t* ps = page_start.data_ptr<int64_t>();
+  const int64_t* pg = pages.data_ptr<int64_t>();
+  TORCH_CHECK(q_start.numel() == batch + 1 && page_start.numel() == batch + 1 && qs[batch] == t_total,
+              "attend: q_start does not match qkv's rows");
+
+  // Rotated queries; rotated keys and the values go straight into their cache slots.
+  auto q = at::empty({t_total, n_heads, d}, qkv.options());
+  float* qp = q.data_ptr<float>();
+  for (int64_t t = 0; t < t_total; ++t) {
+    const float* row = x + t * width;
+    for (int64_t h = 0; h < n_heads; ++h) rotate(row + h * d, c + t * d, s + t * d, qp + (t * n_heads + h) * d, d);
+    float* k_slot = kc + slot[t] * n_kv_heads * d;
+    float* v_slot = vc + slot[t] * n_kv_heads * d;
+    for (int64_t h = 0; h < n_kv_heads; ++h) {
+      rotate(row + (n_heads + h) * d, c + t * d, s + t * d, k_slot + h * d, d);
+      std::copy_n(row + (n_heads + n_kv_heads + h) * d, d, v_slot + h * d);
+    }
+  }
+  std::vector<int64_t> seq_of(t_total);
+  for (int64_t b = 0; b < batch; ++b) std::fill(seq_of.begin() + qs[b], seq_of.begin() + qs[b + 1], b);
+
+  auto out = at::empty({t_total, n_heads * d}, qkv.options());
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, t_total * n_heads, 1, [&](int64_t w0, int64_t w1) {
+    std::vector<float> score;
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t t = w / n_heads, h = w % n_heads, b = seq_of[t], kvh = h / group;
+      const int64_t q_len = qs[b + 1] - qs[b], keys = kvl[b] - q_len + (t - qs[b]) + 1;
+      const float* qv = qp + (t * n_heads + h) * d;
+      score.resize(keys);
+      float top = -INFINITY;
+      for (int64_t j = 0; j < keys; ++j) {
+        const int64_t flat = pg[ps[b] + j / page_size] * page_size + j % page_size;
+        score[j] = dot(qv, kc + (flat * n_kv_heads + kvh) * d, d) * sc;
+        top = std::max(top, score[j]);
+      }
+      float total = 0.f;
+      for (int64_t j = 0; j < keys; ++j) total += (score[j] = std::exp(score[j] - top));
+      float* o = op + t * n_heads * d + h * d;
+      std::fill_n(o, d, 0.f);
+      for (int64_t j = 0; j < keys; ++j) {
+        const int64_t flat = pg[ps[b] + j / page_size] * page_size + j % page_size;
+        const float* v = vc + (flat * n_kv_heads + kvh) * d;
+        const float p = score[j] / total;
+        for (int64_t i = 0; i < d; ++i) o[i] += p * v[i];
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace mtp_kernels
+
+TORCH_LIBRARY(mtp_paged_attention, lib) {
+  lib.def("attend(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
+          "Tensor q_start, Tensor kv_lens, Tensor page_start, Tensor pages, int n_heads, int n_kv_heads, "
+          "float scale) -> Tensor", mtp_kernels::attend);
+}
