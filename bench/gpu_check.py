@@ -47,6 +47,7 @@ sys.path.insert(0, str(ROOT))  # the project, installed or not
 from gpu_paged import fresh_rows, paged_logprobs, step_syncs  # noqa: E402  (bench/, this script's folder)
 from gpu_pipeline import extra_stages, summary, write_recipe  # noqa: E402
 from mtp_train.runtime.syncs import SYNC_BUDGET  # noqa: E402
+from bench.machine import machine_line  # noqa: E402
 TINY = ROOT / "recipes" / "tiny" / "target"
 SMOLLM2 = ROOT / ".cache" / "smollm2-135m-instruct"
 PAGED_STEPS, PAGED_VERIFY = 6, 4  # decode steps over cached pages, then the tokens of one verify step
@@ -383,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.cpu_smoke and not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; nothing was measured. Run this on a GPU machine (or use --cpu-smoke).")
         return 0
+    print(machine_line(), flush=True)
     work = args.work or Path(tempfile.mkdtemp(prefix="gpu_check-"))
     work.mkdir(parents=True, exist_ok=True)
     status = check(work, args.cpu_smoke)

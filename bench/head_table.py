@@ -19,6 +19,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.machine import measured_on  # noqa: E402
 from mtp_train.eval.report import SweepPoint, load_report  # noqa: E402
 
 
@@ -37,10 +38,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("reports", nargs="+", metavar="LABEL=REPORT.json")
     args = parser.parse_args()
-    drafts = []
+    drafts, devices = [], {}
     for item in args.reports:
         label, _, path = item.partition("=")
         report = load_report(Path(path))
+        devices[label] = report.device
         drafts += [(label, name, sweep) for name, sweep in
                    [(report.mode, report.sweep)] + [(c.name, c.sweep) for c in report.comparisons]]
     ks = sorted({p.k for _, _, sweep in drafts for p in sweep if p.temperature == 0.0})
@@ -48,6 +50,7 @@ def main() -> None:
     print(f"| draft | vocabulary | c (k={ks[0]}) | draft per step, f·c | {k_cols} |")
     print("|---|---|---:|---:|" + "---:|" * (2 * len(ks)))
     print("\n".join(row(label, name, sweep, ks) for label, name, sweep in drafts))
+    print("\n" + measured_on(devices))
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from bench.machine import machine_line  # noqa: E402
 
 from mtp_train.heads.frozen import FrozenTarget  # noqa: E402
 from mtp_train.models.config import ModelConfig  # noqa: E402
@@ -118,6 +119,7 @@ def main() -> None:
     args = p.parse_args()
     if args.child:
         return child(args)
+    print(machine_line(), flush=True)
     sizes = ["--tokens", str(args.tokens), "--vocab", str(args.vocab), "--hidden", str(args.hidden),
              "--topk", str(args.topk), "--teacher", args.teacher, "--threads", str(args.threads)]
     results, grads = {}, {}

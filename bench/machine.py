@@ -24,7 +24,7 @@ def _version(name: str) -> str:
 def vllm_version() -> str | None:
     """vLLM's version in ``.venv-vllm`` (``make vllm``), read from its metadata without importing it; None without it."""
     found = sorted(REPO.glob(".venv-vllm/lib/python*/site-packages/vllm*.dist-info"))
-    return found[0].name.split("-")[1].removesuffix(".dist-info") if found else None
+    return found[0].name.removesuffix(".dist-info").split("-")[1] if found else None
 
 
 def machine_line(bandwidth: bool = True) -> str:
@@ -33,3 +33,8 @@ def machine_line(bandwidth: bool = True) -> str:
     vllm = vllm_version()
     libs = f"torch {torch.__version__}, transformers {_version('transformers')}" + (f", vLLM {vllm}" if vllm else "")
     return f"machine: {describe()}{read}; {libs}"
+
+
+def measured_on(devices: dict[str, str]) -> str:
+    """The line a table of eval reports ends with: each report's label and the device it recorded."""
+    return "measured on: " + "; ".join(f"{label}: {device}" for label, device in devices.items())

@@ -23,6 +23,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO))
+from bench.machine import machine_line  # noqa: E402
 
 import peer_parity as pp  # noqa: E402
 from peer_table import from_counts  # noqa: E402
@@ -65,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=REPO / "runs" / "peers")
     parser.add_argument("--regen-rows", type=int, default=1280)
     args = parser.parse_args(argv)
+    print(machine_line(), flush=True)
     work = args.work.resolve()
     cell = work / f"{args.data}-{args.scale}x"
     if not (cell / "ours-vllm").is_dir() or not (cell / "specforge" / "vllm").is_dir():

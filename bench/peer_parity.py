@@ -37,6 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
+from bench.machine import machine_line  # noqa: E402
 
 import yaml  # noqa: E402
 
@@ -227,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--regen-rows", type=int, default=1280, help="Dolly rows regenerated once (at least rows × "
                         "the largest scale); the held-out prompts come after them")
     args = parser.parse_args(argv)
+    print(machine_line(), flush=True)
     for python, make in ((VLLM_PYTHON, "vllm"), (PEERS_PYTHON, "peers")):
         if not python.is_file():
             sys.exit(f"peer_parity: {python} not found; run `make {make}` first")

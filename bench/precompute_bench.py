@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -19,6 +20,8 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from bench.machine import machine_line  # noqa: E402
 
 
 def bytes_per_token(hidden: int, layers: int, k: int) -> int:
@@ -30,6 +33,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=4000)
     args = p.parse_args()
+    print(machine_line(), flush=True)
 
     # Module imports (datasets, transformers' tokenizer classes) cost a few seconds once per process,
     # not per token; pay them before the clock starts.

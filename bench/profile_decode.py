@@ -10,7 +10,7 @@ side, copies and indexing, other ops); "Python and dispatch" is the wall time of
 time; with 2 threads an op's self time is its time on the calling thread, so the groups add up to the wall time.
 
 **The floor.** A decode step must read every weight once (``B`` tokens share the read) and do ``2 x params x B``
-flops. The script measures this machine's memory bandwidth (a 256 MiB ``copy_``) and its fp32 matmul rate at the
+flops. The script measures this machine's read bandwidth (a ``sum`` over 1 GiB) and its fp32 matmul rate at the
 step's own shapes, and prints the step time that either alone would allow: the fastest any implementation (this
 runtime, transformers, vLLM) can decode here, and so what bounds a ratio between them.
 """
@@ -18,18 +18,24 @@ runtime, transformers, vLLM) can decode here, and so what bounds a ratio between
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from bench.machine import machine_line  # noqa: E402
+from mtp_train.runtime.machine import read_bandwidth  # noqa: E402
 SMOLLM2 = REPO / ".cache" / "smollm2-135m-instruct"
 
 GROUPS: list[tuple[str, tuple[str, ...]]] = [
+    ("decoder layers in one call (decode_layer.cpp)", ("mtp_decode_layer::",)),
     ("matmuls (linear, mm, bmm, the small-row kernel)", ("aten::addmm", "aten::mm", "aten::bmm", "aten::linear",
                                                         "aten::matmul", "mtp_small_rows::linear")),
-    ("attention (SDPA)", ("aten::_scaled_dot_product", "aten::scaled_dot_product", "aten::_flash_attention")),
+    ("attention (SDPA, paged_attention.cpp)", ("aten::_scaled_dot_product", "aten::scaled_dot_product",
+                                               "aten::_flash_attention", "mtp_paged_attention::")),
     ("KV writes (index_copy_)", ("aten::index_copy",)),
     ("KV gathers (index_select)", ("aten::index_select",)),
     ("norms (rms_norm)", ("aten::rms_norm", "aten::_fused_rms_norm", "aten::rsqrt", "aten::pow", "aten::mean")),
@@ -90,7 +96,7 @@ def profile(root: Path, batch: int, steps: int, copy: str) -> tuple[float, dict[
     by_group: dict[str, float] = {}
     ops = []
     for evt in prof.key_averages():
-        if not evt.key.startswith(("aten::", "mtp_small_rows::")):
+        if not evt.key.startswith(("aten::", "mtp_")):
             continue
         seconds = evt.self_cpu_time_total / 1e6
         by_group[group_of(evt.key)] = by_group.get(group_of(evt.key), 0.0) + seconds
@@ -99,7 +105,7 @@ def profile(root: Path, batch: int, steps: int, copy: str) -> tuple[float, dict[
     return wall, by_group, ops[:12]
 
 
-def floor_ms(root: Path, batch: int, repeats: int = 5) -> tuple[float, float, float, float]:
+def floor_ms(root: Path, batch: int) -> tuple[float, float, float, float]:
     """``(bandwidth GB/s, matmul GFLOP/s, ms to read the weights once, ms for the step's matmul flops)``."""
     from mtp_train.models.checkpoint import load_transformer
 
@@ -107,12 +113,7 @@ def floor_ms(root: Path, batch: int, repeats: int = 5) -> tuple[float, float, fl
     params = sum(p.numel() for p in model.parameters() if p.dim() == 2 and p is not model.tok_embeddings.weight)
     if model.cfg.tie_word_embeddings:
         params += model.output.weight.numel()  # the tied matrix is read once, as the lm_head
-    src, dst = torch.empty(2**26), torch.empty(2**26)  # 256 MiB each
-    dst.copy_(src)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        dst.copy_(src)
-    bandwidth = 2 * src.numel() * 4 * repeats / (time.perf_counter() - start) / 1e9  # read + write
+    bandwidth = read_bandwidth() / 1e9  # a sum over 1 GiB, as runtime_bench measures it
     layer = model.layers[0]
     weights = [layer.attention.wqkv.weight, layer.attention.wo.weight, layer.feed_forward.w_gate_up.weight,
                layer.feed_forward.w_down.weight]
@@ -136,6 +137,7 @@ def main() -> None:
                    help="the small-batch layout's weight copies (packed: the small-row kernel, the default on CPU)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    print(machine_line(), flush=True)
     print(f"{args.model.name}, torch {torch.__version__}, {args.threads} threads, fp32, weight copies: {args.copy}; "
           f"{args.steps} decode steps profiled after 4 warm-up steps\n")
     for batch in args.batch:
@@ -149,7 +151,7 @@ def main() -> None:
         for group, seconds in rows + [("Python and dispatch (wall - ops)", python)]:
             print(f"| {group} | {1000 * seconds / args.steps:.2f} | {100 * seconds / wall:.0f}% |")
         bandwidth, gflops, read_ms, flop_ms = floor_ms(args.model, batch)
-        print(f"\nFloor: {bandwidth:.1f} GB/s copy bandwidth -> {read_ms:.1f} ms to read the weights once; "
+        print(f"\nFloor: {bandwidth:.1f} GB/s read bandwidth -> {read_ms:.1f} ms to read float32 weights once; "
               f"{gflops:.1f} GFLOP/s at the layer's matmul shapes (batch {batch}) -> {flop_ms:.1f} ms of matmuls; "
               f"the step above is {step_ms / max(read_ms, flop_ms):.2f}x the larger.")
         print("\nTop ops by self time: " + ", ".join(f"`{k}` {1000 * s / args.steps:.2f} ms" for k, s in ops) + "\n")

@@ -23,6 +23,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from bench.machine import machine_line  # noqa: E402
 
 from mtp_train.runtime.engine import Engine  # noqa: E402
 from mtp_train.runtime.sampling import SamplingParams  # noqa: E402
@@ -39,6 +40,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     torch.set_num_threads(args.threads)
+    print(machine_line(), flush=True)
     root = REPO / ".cache" / "smollm2-135m-instruct"
     if not (root / "config.json").is_file():
         sys.exit(f"{root}: not found; run `make smollm2` first")

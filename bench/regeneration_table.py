@@ -18,6 +18,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.machine import measured_on  # noqa: E402
 from mtp_train.eval.report import Group, Report, load_report  # noqa: E402
 
 POOLED = ("spec_bench", "mt_bench")
@@ -62,12 +63,16 @@ def main() -> None:
     args = parser.parse_args()
     print("| training data | val top-1 | prompt set (prompts) | α₁ (k = 1) | τ at k = 1 / 2 / 3 / 4 | α₁ − top-1 |")
     print("|---|---|---|---|---|---|")
+    devices = {}
     for spec in args.reports:
         label, sep, path = spec.partition("=")
         if not sep:
             raise SystemExit(f"{spec}: give LABEL=REPORT.json")
-        for line in rows(label, load_report(Path(path))):
+        report = load_report(Path(path))
+        devices[label] = report.device
+        for line in rows(label, report):
             print(line)
+    print("\n" + measured_on(devices))
 
 
 if __name__ == "__main__":

@@ -29,6 +29,9 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.machine import machine_line  # noqa: E402
+
 GOALS = {"startup_s": 60.0, "rss_gib": 2.0, "manifest_read_s": 10.0}
 HIDDEN, LAYERS, TOPK = 4096, 1, 64  # recipes/llama3.1-8b.yaml's features
 SHARD_TOKENS, BATCH_TOKENS = 1 << 20, 32768
@@ -104,6 +107,7 @@ def main() -> None:
     args = p.parse_args()
     if args.rank_child is not None:
         return rank_child(args.root, args.rank_child, args.ranks)
+    print(machine_line(), flush=True)
     root = Path(tempfile.mkdtemp(prefix="scale-sim-", dir=args.dir))
     try:
         simulate(root, args)

@@ -14,12 +14,16 @@ own M = 1: a speculative verify of k + 1 tokens at batch 1 costs what M = k + 1 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from mtp_train.runtime import small_rows
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.machine import machine_line  # noqa: E402
+from mtp_train.runtime import small_rows  # noqa: E402
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 LAYERS = 30
@@ -40,6 +44,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    print(machine_line(), flush=True)
     print(f"torch {torch.__version__}, {args.threads} threads; ms for all {LAYERS} layers' weights of a shape "
           "(lm_head: one); linear / transposed / MKL packed -> BLAS best (x its M = 1) | kernel (x its M = 1)")
     print("| weight | " + " | ".join(f"M={m}" for m in ROWS) + " |\n|---|" + "---|" * len(ROWS))

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.machine import machine_line  # noqa: E402
 from mtp_train.heads.frozen import FrozenTarget
 from mtp_train.recipe import load_recipe
 from mtp_train.train.checkpoint import load_head
@@ -80,6 +82,7 @@ def main() -> None:
     ap.add_argument("--head", default=None, help="head kind under OUTPUT_DIR/heads (default: the recipe's)")
     ap.add_argument("--max-tokens", type=int, default=4096, help="counted step-0 positions to use, at most")
     args = ap.parse_args()
+    print(machine_line(), flush=True)
     recipe = load_recipe(args.recipe)
     root = recipe.head_dir(args.head)
     reader = FeatureReader(recipe.features_dir, target=recipe.target.path)

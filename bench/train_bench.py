@@ -33,6 +33,7 @@ import json
 import mmap
 import os
 import statistics
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -41,6 +42,8 @@ import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from bench.machine import machine_line  # noqa: E402
 CHUNK = 8 << 20
 
 
@@ -94,6 +97,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per cache state")
     p.add_argument("--steps", type=int, default=12, help="training steps in the trainer-loop measurement")
     args = p.parse_args()
+    print(machine_line(), flush=True)
 
     from mtp_train.heads import build_head, head_spec
     from mtp_train.heads.frozen import FrozenTarget

@@ -21,6 +21,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.machine import measured_on  # noqa: E402
 from mtp_train.eval.report import SweepPoint, load_report  # noqa: E402
 
 
@@ -65,9 +66,11 @@ def main() -> None:
     parser.add_argument("reports", nargs="+", metavar="LABEL=REPORT.json")
     args = parser.parse_args()
     rows: tuple[list[str], list[str], list[str]] = ([], [], [])
+    devices = {}
     for item in args.reports:
         label, path = item.split("=", 1)
         report = load_report(Path(path))
+        devices[label] = report.device
         drafts = [(report.mode, report.sweep, report.tree_sweep)]
         drafts += [(c.name, c.sweep, c.tree_sweep) for c in report.comparisons]
         for name, chains, trees in drafts:
@@ -81,6 +84,7 @@ def main() -> None:
     print("\n| target | draft | setting | T | v (probed) | f·c | expected τ / (v + f·c) | measured | expected / measured "
           "- 1 |\n|" + "---|" * 9)
     print("\n".join(rows[2]))
+    print("\n" + measured_on(devices))
 
 
 if __name__ == "__main__":

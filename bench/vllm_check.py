@@ -32,6 +32,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from bench.machine import machine_line  # noqa: E402
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 KV_BYTES = 2 * 2**30  # both sides: VLLM_CPU_KVCACHE_SPACE=2 for vLLM, as much for this runtime
 
@@ -105,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm-python", type=Path, default=VLLM_PYTHON)
     parser.add_argument("--work", type=Path, help="keep vLLM's jobs, outputs and logs here (default: a temp dir)")
     args = parser.parse_args(argv)
+    print(machine_line(), flush=True)
     try:
         return check(args)
     except UserError as e:
