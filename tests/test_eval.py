@@ -11,6 +11,7 @@ import torch
 from conftest import run_cli
 from hf_models import save_random_model
 from mtp_train.eval.plots import PLOTS
+from mtp_train.runtime.machine import cpu_model
 
 pytestmark = pytest.mark.slow
 
@@ -27,6 +28,7 @@ def test_eval_writes_a_lossless_report_whose_validation_matches_the_trainer(trai
                 "expected_speedup", "measured_speedup", "distinct2", "by_category", "settings", "versions"):
         assert key in r
     assert r["lossless"] is True and r["mode"] == "mtp"
+    assert cpu_model()[0] in r["device"], "the report names the CPU its speeds were measured on"
     assert [p["k"] for p in r["sweep"]] == [1, 2] and all(p["lossless"] for p in r["sweep"])
     assert r["tau"] > 1.0, "a trained head gets some drafts accepted"
     for p in r["sweep"]:  # the expected speedup composes the measured costs of a step's verify (v) and drafts (c)

@@ -3,7 +3,7 @@
 A decode step multiplies each weight by a handful of rows (one per sequence, k + 1 in a verify), so its cost
 should be the weight's read. CPU BLAS's small-M kernels instead cost per row (on this project's 2-core machine two
 rows cost 1.5–2.1× one, ``bench/small_m_matmul.py``), and their speed depends on the weight's layout, by shape. So
-``tune`` measures, once per process, for each distinct weight shape and each row count 1..``MAX_ROWS``, the stored
+``tune`` measures, once per process, for each distinct weight shape and the row counts ``MEASURED_ROWS``, the stored
 layout (``F.linear``) against one copy over every weight of that shape (so that the times are of memory reads,
 not of cache hits), and gives the shape's ``Linear`` modules that copy for the row counts where it is faster by
 ``MARGIN``. The copy is the packed weight of ``runtime/small_rows.py``'s kernel, which reads the weight once for
@@ -29,7 +29,8 @@ from mtp_train.models.parts import FeedForward, Linear, RMSNorm
 from mtp_train.models.transformer import Attention, DecoderLayer
 from mtp_train.runtime import small_rows
 
-MAX_ROWS = small_rows.MAX_ROWS  # batch-8 decode steps, and verifies of k <= 7 at batch 1
+MAX_ROWS = small_rows.MAX_ROWS
+MEASURED_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 16, 32, MAX_ROWS)  # row counts timed; one between two takes the larger's
 MARGIN = 1.15  # the copy must be this much faster to be worth its memory
 REPEATS = 3
 _MEASURED: dict[tuple[tuple[int, int], int, int, str], list[int]] = {}
@@ -88,14 +89,15 @@ def tune(model: nn.Module, kind: str | None = None, bf16: bool = True) -> dict[t
             key = (shape, len(modules), torch.get_num_threads(), kind + "-bf16" * halved)
             if key not in _MEASURED:  # once per process for a shape, count, thread count and kind
                 products = [make(m.weight) for m in modules]
-                weights, rows = [m.weight for m in modules], []
-                for n in range(1, MAX_ROWS + 1):
+                weights, faster = [m.weight for m in modules], set()
+                for n in MEASURED_ROWS:
                     x = torch.randn(n, shape[1])
                     stored = _time(lambda: [F.linear(x, w) for w in weights])
                     copied = _time(lambda: [product(x) for product in products])
                     if stored > MARGIN * copied:
-                        rows.append(n)
-                _MEASURED[key] = rows
+                        faster.add(n)
+                _MEASURED[key] = [n for n in range(1, MAX_ROWS + 1)
+                                  if min(m for m in MEASURED_ROWS if m >= n) in faster]
             if rows := _MEASURED[key]:
                 for module, product in zip(modules, products or [make(m.weight) for m in modules]):
                     module.small_rows = dict.fromkeys(rows, product)

@@ -1,4 +1,4 @@
-// The small-row matmul of a CPU decode step: y [M, N] = x [M, K] @ W^T for M = 1..8 rows, with W held packed.
+// The small-row matmul of a CPU decode step: y [M, N] = x [M, K] @ W^T for a few rows M, with W held packed.
 //
 // A decode step (or a speculative verify of k + 1 tokens at batch 1) multiplies every weight by a few rows, so
 // its cost is the weight's read. CPU BLAS's small-M kernels pay per row instead (on this project's machine two
@@ -24,6 +24,7 @@
 
 #include "kernels.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -35,6 +36,7 @@ typedef float vec __attribute__((vector_size(64)));
 typedef uint16_t half_vec __attribute__((vector_size(32)));  // 16 bfloat16 values
 typedef int32_t int_vec __attribute__((vector_size(64)));
 constexpr int LANES = 16;
+constexpr int64_t CHUNK = 8;  // rows multiplied together per read of a block
 constexpr int VECS = BLOCK / LANES;
 // Rows of the packed block (BLOCK values each) fetched ahead of the one multiplied, into L2 (prefetcht1): 8 KiB of
 // float32. The hardware prefetcher alone left a decode step's weight read at about half the copy bandwidth on one
@@ -127,26 +129,30 @@ inline void block(const float* __restrict x, const W* __restrict packed, float* 
   }
 }
 
-template <int M, typename W>
-void run(const float* x, const W* packed, float* y, int64_t k, int64_t n) {
-  at::parallel_for(0, (n + BLOCK - 1) / BLOCK, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) block<M>(x, packed, y, k, n, b);
-  });
+// Rows r0..r0 + rows of y for block b (rows <= CHUNK: the accumulators of CHUNK rows fill the vector registers).
+template <typename W>
+inline void chunk(int64_t rows, const float* x, const W* w, float* y, int64_t k, int64_t n, int64_t b) {
+  switch (rows) {
+    case 1: block<1>(x, w, y, k, n, b); break;
+    case 2: block<2>(x, w, y, k, n, b); break;
+    case 3: block<3>(x, w, y, k, n, b); break;
+    case 4: block<4>(x, w, y, k, n, b); break;
+    case 5: block<5>(x, w, y, k, n, b); break;
+    case 6: block<6>(x, w, y, k, n, b); break;
+    case 7: block<7>(x, w, y, k, n, b); break;
+    default: block<CHUNK>(x, w, y, k, n, b); break;
+  }
 }
 
+// Every row of x through each block in turn: past CHUNK rows a block is multiplied once per CHUNK rows, its
+// later passes read from L2 (a block is K x BLOCK values: 72 KiB of float32 at K = 576), so the weight still
+// streams from memory once.
 template <typename W>
 void run_rows(int64_t m, const float* x, const W* w, float* y, int64_t k, int64_t n) {
-  switch (m) {
-    case 1: run<1>(x, w, y, k, n); break;
-    case 2: run<2>(x, w, y, k, n); break;
-    case 3: run<3>(x, w, y, k, n); break;
-    case 4: run<4>(x, w, y, k, n); break;
-    case 5: run<5>(x, w, y, k, n); break;
-    case 6: run<6>(x, w, y, k, n); break;
-    case 7: run<7>(x, w, y, k, n); break;
-    case 8: run<8>(x, w, y, k, n); break;
-    default: TORCH_CHECK(false, "linear: 1 to 8 rows, got ", m);
-  }
+  at::parallel_for(0, (n + BLOCK - 1) / BLOCK, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t r0 = 0; r0 < m; r0 += CHUNK) chunk(std::min(CHUNK, m - r0), x + r0 * k, w, y + r0 * n, k, n, b);
+  });
 }
 
 }  // namespace

@@ -1,7 +1,7 @@
 """The runtime's CPU kernels, built on first use into one library, or ``None`` where they cannot be:
 
-- the small-row matmul (``small_rows.cpp``) multiplies 1..``MAX_ROWS`` rows by a weight packed once (``pack``; in
-  bfloat16 where the weight's values all are bfloat16), reading the weight once for all rows;
+- the small-row matmul (``small_rows.cpp``) multiplies a few rows by a weight packed once (``pack``; in bfloat16
+  where the weight's values all are bfloat16), reading the weight from memory once for all rows;
   ``runtime/small_batch.py`` measures where it beats BLAS and gives those weights a packed copy;
 - the paged attention of a decode or verify step (``paged_attention.cpp``, ``attend``): rotary embedding, the
   cache writes and every query's softmax over its pages in one call;
@@ -36,7 +36,7 @@ import torch
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("small_rows.cpp", "paged_attention.cpp", "decode_layer.cpp"))
 HEADER = Path(__file__).with_name("kernels.h")
-MAX_ROWS = 8
+MAX_ROWS = 64  # rows up to which the runtime multiplies on the kernel (decodes at batch <= 64, verifies of a few)
 LIBRARY = "mtp_small_rows.so"
 BUILD_TIMEOUT_S = 600
 # -fopenmp (compiling and linking): torch's CPU builds run at::parallel_for on OpenMP, inline in its headers, so
@@ -147,7 +147,7 @@ class LayerWeights:
 def decode_layer(x: torch.Tensor, w: LayerWeights, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slots: torch.Tensor, q_start: torch.Tensor, kv_lens: torch.Tensor,
                  page_start: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-    """A decoder layer over ``x [T, H]`` float32 (T <= ``MAX_ROWS``) in one call -> ``[T, H]``; the attention's
+    """A decoder layer over ``x [T, H]`` float32 (a few rows) in one call -> ``[T, H]``; the attention's
     arguments as ``attend`` takes them."""
     return torch.ops.mtp_decode_layer.decode_layer(
         x, w.attention_norm, w.wqkv, w.qkv_bias, w.wo, w.ffn_norm, w.w_gate_up, w.w_down, w.eps, cos, sin, k_cache,
@@ -168,7 +168,8 @@ def pack(weight: torch.Tensor, bf16: bool = False) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    """``x [M, K]`` (M <= ``MAX_ROWS``) times the packed weight -> ``[M, out_features]``."""
+    """``x [M, K]`` times the packed weight -> ``[M, out_features]`` (the weight read once; compute-bound past a few
+    rows, where BLAS takes over: ``small_batch.tune`` measures where)."""
     return kernel().linear(x.contiguous(), packed, out_features)
 
 
