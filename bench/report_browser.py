@@ -3,9 +3,10 @@ prints, as JSON, what the page gave: its console errors and uncaught exceptions,
 decoded and its size, the number of tables, the section headings, and the model-card block.
 
     .venv/bin/python bench/report_browser.py runs/tiny/eval/report.html [--screenshot bench/report_screenshot.png]
+        [--plots bench/report_plots.png]
 
-``--screenshot`` keeps a PNG of the top of the page (title, model card, headline) at 1280 pixels wide: the picture
-the README shows. Playwright drives the browser (``executable_path``: no browser download); the page is opened from
+``--screenshot`` keeps a PNG of the top of the page (title, model card, headline) at 1280 pixels wide, and
+``--plots`` one of its first plots: the pictures the README shows. Playwright drives the browser (``executable_path``: no browser download); the page is opened from
 its file, with no network. ``tests/test_report_browser.py`` runs this script.
 """
 
@@ -20,7 +21,7 @@ from pathlib import Path
 # Flags for a root, network-less, headless start (Debian's chromium tries background connections otherwise).
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
          "--disable-component-update", "--disable-sync"]
-WIDTH, SHOT_HEIGHT = 1280, 1500
+WIDTH, SHOT_HEIGHT, PLOTS_HEIGHT = 1280, 1500, 1100
 
 _IMAGES = """async () => Promise.all([...document.images].map(async (img) => {
     let decoded = true;
@@ -29,7 +30,7 @@ _IMAGES = """async () => Promise.all([...document.images].map(async (img) => {
 }))"""
 
 
-def inspect(page_path: Path, chromium: str, screenshot: Path | None = None) -> dict:
+def inspect(page_path: Path, chromium: str, screenshot: Path | None = None, plots: Path | None = None) -> dict:
     from playwright.sync_api import sync_playwright
 
     errors: list[str] = []
@@ -49,6 +50,10 @@ def inspect(page_path: Path, chromium: str, screenshot: Path | None = None) -> d
         if screenshot is not None:
             page.set_viewport_size({"width": WIDTH, "height": SHOT_HEIGHT})
             page.screenshot(path=str(screenshot), clip={"x": 0, "y": 0, "width": WIDTH, "height": SHOT_HEIGHT})
+        if plots is not None:  # the first figures, from the first one's top
+            top = page.evaluate("() => document.querySelector('figure').getBoundingClientRect().top + window.scrollY")
+            page.screenshot(path=str(plots), full_page=True,
+                            clip={"x": 0, "y": top - 10, "width": WIDTH, "height": PLOTS_HEIGHT})
         browser.close()
     return {"errors": errors, **found}
 
@@ -57,11 +62,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("page", type=Path)
     parser.add_argument("--screenshot", type=Path)
+    parser.add_argument("--plots", type=Path, help="a PNG of the first plots")
     parser.add_argument("--chromium", default=shutil.which("chromium") or "/usr/bin/chromium")
     args = parser.parse_args()
     if not Path(args.chromium).is_file():
         sys.exit(f"report_browser: no chromium at {args.chromium} (apt-get install chromium)")
-    print(json.dumps(inspect(args.page, args.chromium, args.screenshot), indent=1))
+    print(json.dumps(inspect(args.page, args.chromium, args.screenshot, args.plots), indent=1))
 
 
 if __name__ == "__main__":

@@ -65,6 +65,7 @@ th, td { border: 1px solid #ccc; padding: 0.25rem 0.6rem; text-align: left; vert
 th { background: #f3f3f3; }
 .flag { background: #fde8e8; border-left: 4px solid #c81e1e; padding: 0.5rem 0.75rem; font-weight: 600; }
 pre { background: #f6f6f6; padding: 0.75rem; overflow-x: auto; font-size: 0.85rem; }
+pre.card { white-space: pre-wrap; overflow-wrap: anywhere; }
 figure { margin: 1rem 0; } figure img { max-width: 100%; height: auto; }
 figcaption { font-size: 0.85rem; color: #555; }
 """.strip()
