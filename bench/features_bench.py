@@ -1,7 +1,7 @@
 """Offline against online training, and bf16 against fp8 features, side by side in one run.
 
     .venv/bin/python bench/features_bench.py RECIPE.yaml --out runs/features-bench [KEY=VALUE ...]
-        [--variants offline,online,online_cache,fp8] [--eval] [--answers FEATURES_DIR]
+        [--variants offline,online,online_cache,fp8] [--eval [VARIANTS]] [--answers FEATURES_DIR]
 
 Each variant is the recipe with its own ``output_dir`` under ``--out`` and its overrides (``VARIANTS``). For each, one
 after the other on the same machine: ``mtp-train precompute`` then ``mtp-train train`` (then ``mtp-train eval`` with
@@ -10,8 +10,8 @@ after the other on the same machine: ``mtp-train precompute`` then ``mtp-train t
 - throughput: training tokens (the train log's, all steps) over the precompute and train wall time together,
   each variant's over offline's;
 - peak RSS of precompute and of training, and the disk: the features' shard bytes and the whole features folder;
-- with ``--eval``: bytes per token, held-out top-1 per unrolled step (the trainer's final validation), and α₁ and
-  τ at each k at T = 0 from the report, each against offline's.
+- with ``--eval`` (every variant, or those it lists): bytes per token, held-out top-1 per unrolled step (the
+  trainer's final validation), and α₁ and τ at each k at T = 0 from the report, each against offline's.
 
 ``--answers DIR`` copies a features folder's regenerated answers (``regenerated.rank-*.jsonl``) into every variant
 first, so that no variant times the regeneration (it is the same for all). A variant whose stage is already
@@ -106,14 +106,15 @@ def print_tables(results: dict[str, dict]) -> None:
         print(f"| {name} | {r['precompute']['s']:.0f} | {r['train']['s']:.0f} | {r['tokens']:,} | {rate:,.0f} | "
               f"{ratio:.3f}× | {mib(r['precompute']['rss'])} | {mib(r['train']['rss'])} | {r['shard_bytes']:,} | "
               f"{r['folder_bytes']:,} |")
-    if not all("tau" in r for r in results.values()):
+    evaluated = {name: r for name, r in results.items() if "tau" in r}
+    if not evaluated:
         return
-    ks = sorted(next(iter(results.values()))["tau"])
+    ks = sorted(next(iter(evaluated.values()))["tau"])
     print()
     print("| variant | bytes/token | vs offline | held-out top-1 per step | " + " | ".join(f"α₁ k={k}" for k in ks)
           + " | " + " | ".join(f"τ k={k}" for k in ks) + " |")
     print("|---|---:|---:|---|" + "---:|" * (2 * len(ks)))
-    for name, r in results.items():
+    for name, r in evaluated.items():
         per = r["bytes_per_token"] / base["bytes_per_token"] if base and base["bytes_per_token"] else float("nan")
         print(f"| {name} | {r['bytes_per_token']:,} | {per:.3f}× | {r['val_top1']} | "
               + " | ".join(f"{r['alpha1'][k]:.3f}" for k in ks) + " | "
@@ -126,7 +127,8 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--variants", default="offline,online,online_cache,fp8")
-    parser.add_argument("--eval", action="store_true", help="also run the eval stage of each variant")
+    parser.add_argument("--eval", nargs="?", const="all", default="",
+                        help="also run the eval stage: of every variant, or of those listed (comma-separated)")
     parser.add_argument("--answers", type=Path, help="a features folder whose regenerated answers every variant reuses")
     args = parser.parse_args()
     names = args.variants.split(",")
@@ -137,7 +139,8 @@ def main() -> None:
     print(f"recipe {args.recipe} {' '.join(args.overrides)}")
     results = {}
     for name in names:
-        results[name] = run_variant(name, args.recipe, args.overrides, args.out, args.answers, args.eval)
+        evaluate = args.eval == "all" or name in args.eval.split(",")
+        results[name] = run_variant(name, args.recipe, args.overrides, args.out, args.answers, evaluate)
         print(f"features_bench: {name}: {json.dumps(results[name])}", file=sys.stderr, flush=True)
     print_tables(results)
 
