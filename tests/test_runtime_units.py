@@ -227,7 +227,10 @@ def test_a_decoder_layer_in_one_call_equals_it_op_by_op(family, tmp_path):
     with torch.no_grad():  # layer 0's weights bf16 values (packed in bf16), layer 1's float32
         for p in model.layers[0].parameters():
             p.copy_(p.bfloat16().float())
+    if family == "llama":
+        model.layers[1].attention_norm = torch.nn.Identity()  # an EAGLE layer's
     tune(model)
+    assert (model.layers[1].decode_weights.attention_norm is None) == (family == "llama")
     assert all(layer.decode_weights is not None for layer in model.layers)
     assert model.layers[0].decode_weights.wqkv.dtype == torch.bfloat16
     assert model.layers[1].decode_weights.wqkv.dtype == torch.float32

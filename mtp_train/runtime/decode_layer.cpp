@@ -63,21 +63,22 @@ void add_into(at::Tensor& x, const at::Tensor& y) {
   for (int64_t i = 0, n = x.numel(); i < n; ++i) xp[i] += yp[i];
 }
 
-// x [T, H] float32 (T <= 8) -> the layer's output [T, H]; the weights are packed by small_rows.cpp's pack (qkv
-// [(Hq + 2 Hkv) D, H], o [H, Hq D], gate_up [2I, H], down [H, I]); norms [H] float32; the attention's arguments as
-// paged_attention.cpp's attend takes them.
-at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& attention_norm, const at::Tensor& wqkv,
+// x [T, H] float32 -> the layer's output [T, H]; the weights are packed by small_rows.cpp's pack (qkv
+// [(Hq + 2 Hkv) D, H], o [H, Hq D], gate_up [2I, H], down [H, I]); norms [H] float32 (no attention norm: an EAGLE
+// layer's); the attention's arguments as paged_attention.cpp's attend takes them.
+at::Tensor decode_layer(const at::Tensor& x, const std::optional<at::Tensor>& attention_norm, const at::Tensor& wqkv,
                         const std::optional<at::Tensor>& qkv_bias, const at::Tensor& wo, const at::Tensor& ffn_norm,
                         const at::Tensor& w_gate_up, const at::Tensor& w_down, double eps, const at::Tensor& cos,
                         const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots,
                         const at::Tensor& q_start, const at::Tensor& kv_lens, const at::Tensor& page_start,
                         const at::Tensor& pages, int64_t n_heads, int64_t n_kv_heads, double scale) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "decode_layer: x [T, H] float32");
-  for (const at::Tensor* norm : {&attention_norm, &ffn_norm})
+  for (const at::Tensor* norm : {attention_norm.has_value() ? &*attention_norm : &ffn_norm, &ffn_norm})
     TORCH_CHECK(norm->is_contiguous() && norm->scalar_type() == at::kFloat && norm->numel() == x.size(1),
                 "decode_layer: norm weights [H] float32");
   const int64_t hidden = x.size(1), head_dim = k_cache.size(3), inter = w_down.size(1);
-  at::Tensor qkv = mtp_kernels::linear(rms_norm(x, attention_norm, eps), wqkv, (n_heads + 2 * n_kv_heads) * head_dim);
+  const at::Tensor normed = attention_norm.has_value() ? rms_norm(x, *attention_norm, eps) : x;  // EAGLE's has none
+  at::Tensor qkv = mtp_kernels::linear(normed, wqkv, (n_heads + 2 * n_kv_heads) * head_dim);
   if (qkv_bias.has_value()) qkv.add_(*qkv_bias);
   const at::Tensor attended = mtp_kernels::attend(qkv, cos, sin, k_cache, v_cache, slots, q_start, kv_lens,
                                                   page_start, pages, n_heads, n_kv_heads, scale);
@@ -91,7 +92,7 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& attention_norm, c
 }  // namespace
 
 TORCH_LIBRARY(mtp_decode_layer, lib) {
-  lib.def("decode_layer(Tensor x, Tensor attention_norm, Tensor wqkv, Tensor? qkv_bias, Tensor wo, Tensor ffn_norm, "
+  lib.def("decode_layer(Tensor x, Tensor? attention_norm, Tensor wqkv, Tensor? qkv_bias, Tensor wo, Tensor ffn_norm, "
           "Tensor w_gate_up, Tensor w_down, float eps, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
           "Tensor(b!) v_cache, Tensor slots, Tensor q_start, Tensor kv_lens, Tensor page_start, Tensor pages, "
           "int n_heads, int n_kv_heads, float scale) -> Tensor", decode_layer);

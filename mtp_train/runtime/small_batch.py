@@ -112,17 +112,19 @@ def tune(model: nn.Module, kind: str | None = None, bf16: bool = True) -> dict[t
 def layer_weights(layer: DecoderLayer, bf16: bool = True) -> small_rows.LayerWeights | None:
     """``layer``'s weights as ``decode_layer.cpp`` runs the whole layer in one call (its projections packed), or None
     for a layer that kernel does not implement: latent attention or experts (DeepSeek), q/k norms (Qwen3), biases
-    past the q/k/v projection, tensor parallelism, a replaced norm (EAGLE's), or weights not float32 on the CPU."""
+    past the q/k/v projection, tensor parallelism, or weights not float32 on the CPU. An EAGLE layer, which has no
+    attention norm (``nn.Identity``), runs without it."""
     attention, mlp = layer.attention, layer.feed_forward
     if not (isinstance(attention, Attention) and isinstance(mlp, FeedForward)):
         return None
-    norms = (layer.attention_norm, layer.ffn_norm)
+    first = None if isinstance(layer.attention_norm, nn.Identity) else layer.attention_norm  # EAGLE's: none
+    norms = (layer.ffn_norm,) if first is None else (first, layer.ffn_norm)
     linears = (attention.wqkv, attention.wo, mlp.w_gate_up, mlp.w_down)
     hidden = attention.wo.out_features
     if (attention.q_norm is not None or attention.wo_bias is not None or mlp.w_down_bias is not None
             or mlp.w_gate_up.bias is not None or attention.tp.size > 1 or mlp.tp.size > 1
             or not all(isinstance(n, RMSNorm) and n.weight.numel() == hidden for n in norms)
-            or norms[0].eps != norms[1].eps or attention.wqkv.in_features != hidden
+            or norms[0].eps != norms[-1].eps or attention.wqkv.in_features != hidden
             or any(t.device.type != "cpu" or t.dtype != torch.float32
                    for t in (*(m.weight for m in linears), *(n.weight for n in norms)))):
         return None
@@ -132,7 +134,7 @@ def layer_weights(layer: DecoderLayer, bf16: bool = True) -> small_rows.LayerWei
         return (kept or PackedWeight(linear.weight, bf16)).packed
 
     return small_rows.LayerWeights(
-        norms[0].weight.detach(), packed(attention.wqkv),
+        None if first is None else first.weight.detach(), packed(attention.wqkv),
         None if attention.wqkv.bias is None else attention.wqkv.bias.detach(), packed(attention.wo),
-        norms[1].weight.detach(), packed(mlp.w_gate_up), packed(mlp.w_down), norms[0].eps,
+        layer.ffn_norm.weight.detach(), packed(mlp.w_gate_up), packed(mlp.w_down), layer.ffn_norm.eps,
         attention.n_heads, attention.n_kv_heads, attention.head_dim**-0.5)

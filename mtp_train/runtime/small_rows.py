@@ -128,10 +128,10 @@ def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: tor
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """A decoder layer as ``decode_layer`` takes it: its norms' weights ``[H]``, its projections packed (``pack``), the
-    q/k/v bias (or None), and its attention's sizes."""
+    """A decoder layer as ``decode_layer`` takes it: its norms' weights ``[H]`` (no attention norm for an EAGLE
+    layer), its projections packed (``pack``), the q/k/v bias (or None), and its attention's sizes."""
 
-    attention_norm: torch.Tensor
+    attention_norm: torch.Tensor | None
     wqkv: torch.Tensor
     qkv_bias: torch.Tensor | None
     wo: torch.Tensor
