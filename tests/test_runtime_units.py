@@ -287,6 +287,27 @@ def test_the_small_batch_layout_changes_the_layout_only(kind):
     assert plain.small_batch == {} and all(not m.small_rows for m in plain.model.modules() if isinstance(m, Linear))
 
 
+def test_score_never_takes_the_timed_copies():
+    """The small-row copies are chosen by timing, per process, so another process may multiply the same rows
+    another way; ``score`` (the features, offline and online) multiplies by the stored weights whatever copies the
+    Linears hold, and decoding outside it still takes them."""
+    import torch.nn.functional as F
+
+    from mtp_train.models.parts import Linear
+
+    engine = Engine.from_pretrained(TINY_TARGET, small_batch_layout=False)
+    sequences = [list(range(5, 40)), list(range(100, 110))]  # 45 rows, and a last logits chunk of few rows
+    before = engine.score(sequences, layers=[0, -1], topk=8)
+    linears = [m for m in engine.model.modules() if isinstance(m, Linear)]
+    for m in linears:  # a copy whose products are visibly off, at every small row count
+        m.small_rows = dict.fromkeys(range(1, 65), lambda x, w=m.weight: F.linear(x, w) + 1e-3)
+    after = engine.score(sequences, layers=[0, -1], topk=8)
+    for name in ("cu_seqlens", "hidden", "topk_logprobs", "topk_ids", "logsumexp", "tail_logprob"):
+        assert torch.equal(getattr(before, name), getattr(after, name)), name
+    x = torch.randn(3, linears[0].weight.shape[1])
+    assert not torch.equal(linears[0](x), F.linear(x, linears[0].weight, linears[0].bias)), "the copy is used outside"
+
+
 def test_a_killed_kernel_build_never_blocks_the_next(tmp_path):
     """A process killed while torch's builder held its directory leaves a ``lock`` that made every later process
     wait forever: a finished build is now loaded without consulting any lock, an unfinished directory is rebuilt

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Protocol
 
 import torch
@@ -47,16 +49,32 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
+_TIMED_PRODUCTS = ContextVar("timed_products", default=True)
+
+
+@contextmanager
+def stored_layout() -> Iterator[None]:
+    """Inside, every :class:`Linear` multiplies by its stored weight (``F.linear``), so that the results never
+    depend on which copies ``runtime/small_batch.py``'s timing chose in this process: the engine's ``score`` runs
+    so, and the features are the same bits in every process (offline, online, a resumed task)."""
+    token = _TIMED_PRODUCTS.set(False)
+    try:
+        yield
+    finally:
+        _TIMED_PRODUCTS.reset(token)
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` that may multiply a few rows another way: ``small_rows`` maps a row count to a product
     ``x [rows, in] -> [rows, out]`` over a copy of the weight (not in the state dict) that reads faster at that
     count on CPU; ``runtime/small_batch.py`` measures which counts and copies pay. Same product either way, up to
-    rounding. Rows that require grad always take ``F.linear``."""
+    rounding. Rows that require grad, and every row inside ``stored_layout()``, take ``F.linear``."""
 
     small_rows: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.small_rows and x.dim() == 2 and not x.requires_grad and (product := self.small_rows.get(x.shape[0])):
+        if (self.small_rows and x.dim() == 2 and not x.requires_grad and _TIMED_PRODUCTS.get()
+                and (product := self.small_rows.get(x.shape[0]))):
             y = product(x)
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)

@@ -22,6 +22,7 @@ import torch
 
 from mtp_train.errors import UserError
 from mtp_train.models.checkpoint import load_transformer
+from mtp_train.models.parts import stored_layout
 from mtp_train.models.tp import TensorParallel
 from mtp_train.recipe import TargetConfig
 from mtp_train.models.transformer import Transformer
@@ -255,6 +256,11 @@ class Engine:
         ``keep=False``: every batch is scored (a tensor-parallel rank takes part in each collective, batched as the
         leader batches) but nothing is copied to the host, and None is returned: the ranks that write no shard.
         """
+        with stored_layout():  # features never depend on this process's timing of the small-row copies
+            return self._score(sequences, layers, topk, on_batch, keep)
+
+    def _score(self, sequences: list[list[int]], layers: list[int], topk: int,
+               on_batch: Callable[[int], None] | None, keep: bool) -> ScoreOutput | None:
         n_layers = self.cfg.num_layers
         layer_ids = [lid % n_layers for lid in layers]
         for lid in layers:

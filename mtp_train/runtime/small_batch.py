@@ -59,8 +59,6 @@ class PackedWeight:
         return small_rows.linear(x, self.packed, self.out_features)
 
 
-
-
 def _transposed(weight: torch.Tensor) -> Product:
     w_t = weight.t().contiguous()
     return lambda x: x @ w_t
