@@ -287,13 +287,20 @@ def test_the_small_batch_layout_changes_the_layout_only(kind):
     assert plain.small_batch == {} and all(not m.small_rows for m in plain.model.modules() if isinstance(m, Linear))
 
 
-def test_score_never_takes_the_timed_copies():
+def test_score_never_takes_the_timed_copies(monkeypatch):
     """The small-row copies are chosen by timing, per process, so another process may multiply the same rows
-    another way; ``score`` (the features, offline and online) multiplies by the stored weights whatever copies the
-    Linears hold, and decoding outside it still takes them."""
+    another way; ``score`` (the features, offline and online) runs torch's ops alone, by the stored weights and
+    op by op, whatever copies the Linears and layers hold, and decoding outside it still takes them."""
     import torch.nn.functional as F
 
     from mtp_train.models.parts import Linear
+    from mtp_train.models.transformer import DecoderLayer
+    from mtp_train.runtime.attention import TorchStep
+
+    def one_call(*args):
+        raise AssertionError("a one-call layer ran")
+
+    monkeypatch.setattr(TorchStep, "run_layer", one_call)
 
     engine = Engine.from_pretrained(TINY_TARGET, small_batch_layout=False)
     sequences = [list(range(5, 40)), list(range(100, 110))]  # 45 rows, and a last logits chunk of few rows
@@ -301,11 +308,16 @@ def test_score_never_takes_the_timed_copies():
     linears = [m for m in engine.model.modules() if isinstance(m, Linear)]
     for m in linears:  # a copy whose products are visibly off, at every small row count
         m.small_rows = dict.fromkeys(range(1, 65), lambda x, w=m.weight: F.linear(x, w) + 1e-3)
+    for layer in engine.model.modules():
+        if isinstance(layer, DecoderLayer):
+            layer.decode_weights = "packed"
     after = engine.score(sequences, layers=[0, -1], topk=8)
     for name in ("cu_seqlens", "hidden", "topk_logprobs", "topk_ids", "logsumexp", "tail_logprob"):
         assert torch.equal(getattr(before, name), getattr(after, name)), name
     x = torch.randn(3, linears[0].weight.shape[1])
     assert not torch.equal(linears[0](x), F.linear(x, linears[0].weight, linears[0].bias)), "the copy is used outside"
+    with pytest.raises(AssertionError, match="one-call"):
+        engine.generate([sequences[1]], SamplingParams(max_new_tokens=2))
 
 
 def test_a_killed_kernel_build_never_blocks_the_next(tmp_path):

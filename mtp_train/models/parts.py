@@ -49,19 +49,25 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
-_TIMED_PRODUCTS = ContextVar("timed_products", default=True)
+_DECODE_COPIES = ContextVar("decode_copies", default=True)
 
 
 @contextmanager
 def stored_layout() -> Iterator[None]:
-    """Inside, every :class:`Linear` multiplies by its stored weight (``F.linear``), so that the results never
-    depend on which copies ``runtime/small_batch.py``'s timing chose in this process: the engine's ``score`` runs
-    so, and the features are the same bits in every process (offline, online, a resumed task)."""
-    token = _TIMED_PRODUCTS.set(False)
+    """Inside, every :class:`Linear` multiplies by its stored weight (``F.linear``) and every decoder layer runs op
+    by op: neither the copies ``runtime/small_batch.py``'s timing chose in this process nor the one-call CPU layers
+    are used, so the results are torch's alone for a given batch. The engine's ``score`` runs so, and the features
+    are the same bits in every process (offline, online, a resumed task) whatever the row count."""
+    token = _DECODE_COPIES.set(False)
     try:
         yield
     finally:
-        _TIMED_PRODUCTS.reset(token)
+        _DECODE_COPIES.reset(token)
+
+
+def decode_copies() -> bool:
+    """False inside ``stored_layout()``."""
+    return _DECODE_COPIES.get()
 
 
 class Linear(nn.Linear):
@@ -73,7 +79,7 @@ class Linear(nn.Linear):
     small_rows: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (self.small_rows and x.dim() == 2 and not x.requires_grad and _TIMED_PRODUCTS.get()
+        if (self.small_rows and x.dim() == 2 and not x.requires_grad and _DECODE_COPIES.get()
                 and (product := self.small_rows.get(x.shape[0]))):
             y = product(x)
             return y if self.bias is None else y + self.bias

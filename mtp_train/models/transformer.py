@@ -19,7 +19,7 @@ from torch import nn
 from mtp_train.models.config import ModelConfig
 from mtp_train.models.mla import LatentAttention
 from mtp_train.models.moe import MoE
-from mtp_train.models.parts import AttentionPlan, CosSin, FeedForward, KVPages, Linear, RMSNorm
+from mtp_train.models.parts import AttentionPlan, CosSin, FeedForward, KVPages, Linear, RMSNorm, decode_copies
 from mtp_train.models.rope import RotaryEmbedding
 from mtp_train.models.tp import TensorParallel
 
@@ -69,7 +69,7 @@ class DecoderLayer(nn.Module):
 
     ``decode_weights``: the layer's weights in the form a plan's ``run_layer`` takes to run the whole layer in one
     call (the runtime's CPU decode kernel sets it, ``runtime/small_batch.py``); the plan answers None for a step it
-    does not run so, and the layer then runs op by op.
+    does not run so, and the layer then runs op by op, as it always does inside ``parts.stored_layout()``.
     """
 
     decode_weights: object | None = None
@@ -82,7 +82,7 @@ class DecoderLayer(nn.Module):
         self.feed_forward = MoE(cfg, tp) if moe else FeedForward(cfg, tp)
 
     def forward(self, x: torch.Tensor, cos_sin: CosSin, plan: AttentionPlan, kv: KVPages) -> torch.Tensor:
-        run = getattr(plan, "run_layer", None) if self.decode_weights is not None else None
+        run = getattr(plan, "run_layer", None) if self.decode_weights is not None and decode_copies() else None
         if run is not None and (out := run(x, self.decode_weights, cos_sin, kv)) is not None:
             return out
         h = x + self.attention(self.attention_norm(x), cos_sin, plan, kv)

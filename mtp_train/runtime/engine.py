@@ -256,7 +256,7 @@ class Engine:
         ``keep=False``: every batch is scored (a tensor-parallel rank takes part in each collective, batched as the
         leader batches) but nothing is copied to the host, and None is returned: the ranks that write no shard.
         """
-        with stored_layout():  # features never depend on this process's timing of the small-row copies
+        with stored_layout():  # torch's ops alone: features never depend on this process's timed copies
             return self._score(sequences, layers, topk, on_batch, keep)
 
     def _score(self, sequences: list[list[int]], layers: list[int], topk: int,
