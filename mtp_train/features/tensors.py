@@ -27,7 +27,7 @@ FP8_VALUES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).floa
 def quantize_fp8(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``hidden [T, L, H]`` as e4m3 values ``[T, L, H]`` and float32 scales ``[T, L]``: each row divided by its
     largest magnitude over 448 (a row of zeros by 1)."""
-    # one float32 temporary of the input's size (the precompute's peak memory), not four
+    # one float32 temporary of the input's size, not four
     scale = torch.linalg.vector_norm(hidden, ord=float("inf"), dim=-1, dtype=torch.float32) / FP8_MAX
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     return hidden.float().div(scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale

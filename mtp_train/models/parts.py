@@ -79,7 +79,7 @@ class Linear(nn.Linear):
     small_rows: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (self.small_rows and x.dim() == 2 and not x.requires_grad and _DECODE_COPIES.get()
+        if (self.small_rows and x.dim() == 2 and not x.requires_grad and decode_copies()
                 and (product := self.small_rows.get(x.shape[0]))):
             y = product(x)
             return y if self.bias is None else y + self.bias
