@@ -1,9 +1,17 @@
-"""FlashInfer attention on CUDA: paged prefill/append wrapper (plan once per step, run per layer).
+"""FlashInfer attention on CUDA: paged prefill/append wrappers (plan once per step, run per layer).
 
 Imported only when the flashinfer backend is selected. Every batch kind (prefill, decode, verify, a DFlash block,
-which is not causal, a tree with its custom mask) is an "append" over paged KV, so one wrapper serves them all.
-Index arrays are int32; the plan takes
-the per-sequence arrays from the host (``BatchMetadata.host_*``) and the page indices from the device.
+which is not causal, a tree with its custom mask) is an "append" over paged KV. Two wrappers share one float
+workspace (their runs follow one another on one stream):
+
+- ``wrapper`` (backend ``auto``: fa3 on Hopper, else fa2) plans causal steps and DFlash's non-causal block;
+- ``masked`` (backend ``fa2``) plans a tree's steps: fa3 has no custom-mask kernel, and ``auto`` fixes its choice
+  at a wrapper's first plan, so one wrapper cannot serve both.
+
+The plans take the per-sequence arrays from the host (``BatchMetadata.host_*``) and the page indices from the
+device. A tree's mask is packed on the device here (``packed_mask``), its sizes computed on the host, and handed to
+the planned wrapper (``_set_mask``): given an unpacked mask, flashinfer 0.6.6's ``plan`` packs it with
+``segment_packbits``, a CUDA kernel, against an index it builds from the host arrays, and fails.
 """
 
 from __future__ import annotations
@@ -11,10 +19,10 @@ from __future__ import annotations
 import torch
 
 from mtp_train.runtime.batch import BatchMetadata
+from mtp_train.runtime.device import to_device
+from mtp_train.runtime.reserve import FLASHINFER_FLOAT_WORKSPACE
 
-# FlashInfer's float workspace, which its split-KV plans fill: 128 MiB is a known overflow at 32 query heads on an
-# H100's 132 SMs.
-WORKSPACE_BYTES = 512 * 1024 * 1024
+WORKSPACE_BYTES = FLASHINFER_FLOAT_WORKSPACE
 
 
 class FlashInferStep:
@@ -24,9 +32,11 @@ class FlashInferStep:
 
         self._flashinfer = flashinfer
         self.meta = meta
+        tree = meta.tree is not None
+        self.wrapper = backend.masked if tree else backend.wrapper
         # The indptr arrays from the host (pinned): ``plan`` reads them there, and copying them back from the
         # device would make the host wait for the queue in every step.
-        backend.wrapper.plan(
+        self.wrapper.plan(
             meta.host_qo_indptr,
             meta.host_page_indptr,
             meta.page_indices,
@@ -35,13 +45,14 @@ class FlashInferStep:
             num_kv_heads,
             head_dim,
             meta.page_size,
-            causal=causal and meta.tree is None,
-            custom_mask=None if meta.tree is None else _custom_mask(meta),
+            causal=causal and not tree,
             window_left=-1 if backend.sliding_window is None else backend.sliding_window - 1,
             q_data_type=backend.dtype,
             kv_data_type=backend.dtype,
+            seq_lens=meta.host_kv_lens,  # pinned: plan copies the lengths to the GPU without waiting for it
         )
-        self.wrapper = backend.wrapper
+        if tree:
+            _set_mask(self.wrapper, *packed_mask(meta))
         self.batch_indices, self.positions = flashinfer.get_batch_indices_positions(
             meta.qo_indptr, meta.kv_lens, meta.tokens.numel()
         )
@@ -60,13 +71,65 @@ class FlashInferStep:
         return self.wrapper.run(q.to(k_cache.dtype), (k_cache, v_cache)).to(q.dtype)
 
 
-def _custom_mask(meta: BatchMetadata) -> torch.Tensor:
-    """A tree's mask as FlashInfer's ``custom_mask``: each sequence's ``[q_len, kv_len]`` bool, flattened, in order
-    (every query sees the context before ``prefix``, then what its bits name)."""
-    tree, parts = meta.tree, []
-    for prefix, bits in zip(tree.prefix, tree.bits):
-        parts.append(torch.cat([bits.new_ones((bits.shape[0], prefix)), bits], 1).view(-1))
-    return torch.cat(parts)
+def _set_mask(wrapper, packed: torch.Tensor, byte_indptr: torch.Tensor) -> None:
+    """Give a planned fa2 wrapper the step's packed mask and its byte offsets, both already on the device.
+
+    The mask is set after an unmasked plan rather than passed to it: the plan computes nothing from a mask (fa2's
+    schedule takes none) but its index, from the host arrays, of the *unpacked* bits, which 0.6.6 keeps even when
+    given a packed mask (its kernel reads the index as byte offsets; flashinfer PR #2201, open) and copies to the
+    GPU from pageable memory. ``run`` reads ``_custom_mask_buf`` and ``_mask_indptr_buf`` and, with a mask there,
+    runs its custom-mask kernel.
+    """
+    for name in ("_custom_mask_buf", "_mask_indptr_buf"):
+        if not hasattr(wrapper, name):
+            raise RuntimeError(f"flashinfer's wrapper has no {name}: this runtime's tree masks are written for "
+                               "flashinfer-python 0.6.6 (the `gpu` extra)")
+    wrapper._custom_mask_buf, wrapper._mask_indptr_buf = packed, byte_indptr
+
+
+def packed_mask(meta: BatchMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tree step's attention mask as FlashInfer's kernel reads it, built on the device without a host sync.
+
+    Sequence b's mask is ``[q_b, kv_b]`` (query i sees the context before ``prefix[b]``, then what ``bits[b][i]``
+    names), flattened row-major and packed 8 bits to a byte, least significant first; each sequence starts at a
+    byte of its own. Returns the packed mask ``[sum ceil(q_b kv_b / 8)]`` uint8 and its byte offsets ``[B+1]``
+    int32, both on the device. The sizes come from the host arrays; the bits never leave the device.
+    """
+    tree = meta.tree
+    assert tree is not None
+    dev, b = meta.tokens.device, len(tree.bits)
+    q_lens = (meta.host_qo_indptr[1:] - meta.host_qo_indptr[:-1]).long()
+    kv_lens = meta.host_kv_lens.long()
+    prefix = torch.tensor(tree.prefix, dtype=torch.int64)
+    span = kv_lens - prefix  # the columns each sequence's bits cover
+    nbits = q_lens * kv_lens
+    nbytes = (nbits + 7) // 8
+    indptr = torch.zeros(b + 1, dtype=torch.int64)
+    indptr[1:] = torch.cumsum(nbytes, 0)
+    host = torch.cat([_exclusive(nbits), indptr[:-1], _exclusive(q_lens * span), kv_lens, prefix, span, nbits, nbytes,
+                      indptr])
+    moved = to_device(host, dev)  # one copy of every size
+    bit_start, byte_start, bits_start, kv, pre, cols, length, count = moved[: 8 * b].view(8, b).unbind(0)
+    total = int(indptr[-1])
+    seq = torch.repeat_interleave(torch.arange(b, device=dev), count, output_size=total)  # [N] each byte's sequence
+    first_bit = bit_start[seq] + 8 * (torch.arange(total, device=dev) - byte_start[seq])
+    end_bit = bit_start[seq] + length[seq]
+    bits = torch.cat([t.reshape(-1) for t in tree.bits])
+    packed = torch.zeros(total, dtype=torch.uint8, device=dev)
+    for shift in range(8):  # one [N] pass per bit: the working set stays that of the mask itself
+        flat = first_bit + shift
+        local = flat - bit_start[seq]
+        row, col = local // kv[seq], local % kv[seq]
+        inside = col >= pre[seq]
+        at = (bits_start[seq] + row * cols[seq] + col - pre[seq]).clamp(0, bits.numel() - 1)
+        on = (flat < end_bit) & (~inside | bits[at])
+        packed |= on.to(torch.uint8) << shift
+    return packed, moved[8 * b :].to(torch.int32)
+
+
+def _exclusive(sizes: torch.Tensor) -> torch.Tensor:
+    """``[B]`` -> the offsets ``[B]`` at which each of ``sizes`` starts."""
+    return torch.cumsum(sizes, 0) - sizes
 
 
 class FlashInferAttention:
@@ -77,6 +140,7 @@ class FlashInferAttention:
         self.dtype = dtype
         workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout="NHD")
+        self.masked = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout="NHD", backend="fa2")
 
     def plan(self, meta: BatchMetadata, num_heads: int, num_kv_heads: int, head_dim: int, causal: bool = True
              ) -> FlashInferStep:
