@@ -19,7 +19,7 @@ from mtp_train.models.config import ModelConfig
 from mtp_train.models.transformer import Transformer
 from mtp_train.recipe import Recipe
 from mtp_train.runtime.drafters import Drafter, HeadDrafter, head_drafter
-from mtp_train.runtime.engine import Engine, default_stop_ids, kv_budget
+from mtp_train.runtime.engine import Engine, default_stop_ids, kv_budget, reserved_for
 from mtp_train.runtime.kv_cache import KVPool
 from mtp_train.train.checkpoint import load_trained_head
 
@@ -61,7 +61,10 @@ def load_eval(recipe: Recipe) -> tuple[Engine, Drafter, Any, dict[str, Any]]:
         for head in [draft, *others.values()]:
             if isinstance(head, DraftHead):
                 head.to(device, dtype)
-    kv = kv_share(kv_budget(recipe.target, device), model.cfg, dtype, tp.size, [draft, *others.values()])
+    drafts = [draft, *others.values()]
+    with_attention = sum(isinstance(d, (DraftHead, Transformer)) for d in drafts)  # a bigram table has none
+    reserved = reserved_for(recipe.target, model.cfg, dtype, device, tp.size, with_attention)
+    kv = kv_share(kv_budget(recipe.target, device, reserved), model.cfg, dtype, tp.size, drafts)
     engine = Engine(model, stop_ids=default_stop_ids(recipe.target.path), backend=recipe.target.attention_backend,
                     kv_bytes=kv, max_seqs=recipe.eval.batch_size)
     vocab = draft_vocab(recipe, engine.cfg.vocab_size)

@@ -32,6 +32,25 @@ def test_the_budget_comes_from_the_recipe_or_the_gpu(monkeypatch):
             kv_budget(_target(gpu_memory_fraction=0.4), cuda)
 
 
+def test_flashinfers_workspaces_are_reserved_before_the_kv_budget(monkeypatch):
+    """On a GPU, the engine's FlashInfer workspace (allocated once its pool is sized) and each drafter's come out of
+    the fraction's room, so that the pool, the workspaces and what was in use fit the fraction together."""
+    import flashinfer_066
+    from mtp_train.runtime.engine import reserved_for
+    from mtp_train.runtime.reserve import NCCL_BYTES, flashinfer_backend_bytes
+
+    with fake_cuda(monkeypatch):  # 16 GiB, 8 GiB free once the weights are loaded
+        flashinfer_066.install(monkeypatch)
+        cuda, target = torch.device("cuda", 0), _target(gpu_memory_fraction=0.9, dtype="bfloat16")
+        engine = Engine.for_target(target, torch.bfloat16, cuda, TensorParallel())
+        pool = engine.allocator.num_pages * 16 * engine.kv.bytes_per_token(engine.cfg, torch.bfloat16, 1)
+        assert type(engine.backend).__name__ == "FlashInferAttention"
+        assert 8 * 2**30 + pool + flashinfer_backend_bytes() <= int(0.9 * 16 * 2**30)
+        assert reserved_for(target, engine.cfg, torch.bfloat16, cuda, 2, drafters=2) == (
+            3 * flashinfer_backend_bytes() + NCCL_BYTES)
+        assert reserved_for(_target(attention_backend="torch"), engine.cfg, torch.bfloat16, cuda, 1, 2) == 0
+
+
 def test_the_engine_sizes_its_pages_from_the_recipe():
     small = Engine.for_target(_target(kv_cache_gb=0.01, attention_backend="torch"), torch.float32,
                               torch.device("cpu"), TensorParallel())

@@ -38,6 +38,14 @@ class TensorParallel:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def agree_min(self, value: int, device: torch.device) -> int:
+        """The smallest of the group's ``value``s, on every rank (a tensor on ``device``: NCCL's or gloo's)."""
+        if self.size == 1:
+            return value
+        x = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(x, op=dist.ReduceOp.MIN, group=self.group)
+        return int(x.item())
+
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Make every rank hold the leader's ``x`` (sampled tokens must agree across ranks)."""
         if self.size > 1:

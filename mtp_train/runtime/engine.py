@@ -26,10 +26,12 @@ from mtp_train.models.parts import stored_layout
 from mtp_train.models.tp import TensorParallel
 from mtp_train.recipe import TargetConfig
 from mtp_train.models.transformer import Transformer
-from mtp_train.runtime.attention import select_backend
+from mtp_train.models.config import ModelConfig
+from mtp_train.runtime.attention import backend_name, select_backend
 from mtp_train.runtime.batch import BatchMetadata, TreeMask, build_batch
 from mtp_train.runtime.host_memory import keep_freed_memory
 from mtp_train.runtime.kv_cache import KVPool, OutOfPages, PageAllocator
+from mtp_train.runtime.reserve import reserved_bytes
 from mtp_train.runtime.sampling import SamplingParams, sample
 from mtp_train.runtime.scheduler import Scheduler
 from mtp_train.runtime.sequence import RequestStats, Sequence, Status
@@ -39,21 +41,31 @@ LOGITS_CHUNK = 2048  # tokens per lm_head call in score(), so [chunk, vocab] sta
 CPU_KV_BYTES = 512 * 2**20  # the KV budget on CPU when the recipe sets none
 
 
-def kv_budget(target: TargetConfig, device: torch.device) -> int:
+def kv_budget(target: TargetConfig, device: torch.device, reserved: int = 0) -> int:
     """Bytes for the target's KV cache on this rank: ``target.kv_cache_gb`` when set; else on CUDA what
     ``target.gpu_memory_fraction`` of the GPU leaves beside what is in use now (call it once the weights are
-    loaded); else ``CPU_KV_BYTES``."""
+    loaded) and ``reserved``, what is allocated later (``runtime.reserve``: attention workspaces, NCCL's buffers);
+    else ``CPU_KV_BYTES``."""
     if target.kv_cache_gb is not None:
         return int(target.kv_cache_gb * 2**30)
     if device.type != "cuda":
         return CPU_KV_BYTES
     free, total = torch.cuda.mem_get_info(device)
-    budget = int(target.gpu_memory_fraction * total) - (total - free)
+    budget = int(target.gpu_memory_fraction * total) - (total - free) - reserved
     if budget <= 0:
         raise UserError(f"target.gpu_memory_fraction: {target.gpu_memory_fraction} of {total / 2**30:.1f} GiB leaves no "
                         f"room for the KV cache beside the {(total - free) / 2**30:.1f} GiB in use after loading the "
-                        f"weights; raise it, set target.kv_cache_gb, or use more tensor-parallel ranks (target.tp)")
+                        f"weights and the {reserved / 2**30:.1f} GiB reserved for workspaces and NCCL; raise it, set "
+                        "target.kv_cache_gb, or use more tensor-parallel ranks (target.tp)")
     return budget
+
+
+def reserved_for(target: TargetConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp_size: int,
+                 drafters: int = 0) -> int:
+    """``runtime.reserve.reserved_bytes`` for this rank's engine and ``drafters`` drafters with attention: one
+    FlashInfer workspace each where the backend resolves to flashinfer, and NCCL's buffers under tensor parallelism."""
+    flashinfer = backend_name(target.attention_backend, device, dtype, latent=cfg.mla is not None) == "flashinfer"
+    return reserved_bytes((1 + drafters) if flashinfer else 0, tp_size)
 
 
 @dataclass
@@ -116,7 +128,11 @@ class Engine:
         self.device = model.output.weight.device
         dtype = model.output.weight.dtype
         if num_pages is None:
-            num_pages = KVPool.pages_for_budget(self.cfg, page_size, kv_bytes, dtype, self.tp.size)
+            # Every rank of a tensor-parallel group sizes the same pool: their schedulers must agree step for step
+            # (a rank that ran out of pages alone would stop joining the group's collectives), while each measured
+            # its own free memory, and only the leader holds the drafts.
+            num_pages = self.tp.agree_min(KVPool.pages_for_budget(self.cfg, page_size, kv_bytes, dtype, self.tp.size),
+                                          self.device)
         self.allocator = PageAllocator(num_pages, page_size)
         self.kv = KVPool(self.cfg, self.allocator, dtype, self.device, self.tp.size)
         self.backend_name = backend  # as the recipe asked (auto, torch, flashinfer): drafters follow it
@@ -149,8 +165,10 @@ class Engine:
         the weights are loaded."""
         root = Path(target.path)
         model = load_transformer(root, dtype=dtype, device=device, tp=tp)
+        device = torch.device(device)
+        reserved = reserved_for(target, model.cfg, dtype, device, tp.size)
         return cls(model, stop_ids=default_stop_ids(root), backend=target.attention_backend,
-                   kv_bytes=kv_budget(target, torch.device(device)), **kwargs)
+                   kv_bytes=kv_budget(target, device, reserved), **kwargs)
 
     # -- one forward -------------------------------------------------------------------------------------
 
