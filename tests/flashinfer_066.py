@@ -31,6 +31,8 @@ import torch
 from fake_cuda import OnFakeCuda, _tag, _untag
 
 HOPPER = True  # the GPU check's H200: ``auto`` picks fa3 for unmasked plans
+BUILD_ERROR: str | None = None  # set: every module's build fails with this (a node without nvcc)
+BUILT: list[tuple] = []  # the modules built or loaded, in order
 
 
 class KernelError(RuntimeError):
@@ -80,6 +82,24 @@ def segment_packbits(x: torch.Tensor, indptr: torch.Tensor, bitorder: str = "big
     return _packbits(x, indptr.to(torch.int32), indptr_new.to(torch.int32)), indptr_new.to(torch.int32)
 
 
+def determine_attention_backend(device, pos_encoding_mode, use_fp16_qk_reductions, use_custom_mask, dtype_q,
+                                dtype_kv) -> str:
+    return "fa3" if HOPPER and not use_custom_mask and pos_encoding_mode == 0 else "fa2"
+
+
+def get_batch_prefill_module(backend: str, *args):
+    """``prefill.get_batch_prefill_module``: the module is built with nvcc at its first use (or loaded prebuilt)."""
+    if BUILD_ERROR is not None:
+        raise RuntimeError(BUILD_ERROR)
+    if (backend, *args) not in BUILT:
+        BUILT.append((backend, *args))
+
+
+def get_page_module():
+    if BUILD_ERROR is not None:
+        raise RuntimeError(BUILD_ERROR)
+
+
 class BatchPrefillWithPagedKVCacheWrapper:
     instances: list = []  # every wrapper made, for tests to inspect
 
@@ -118,7 +138,10 @@ class BatchPrefillWithPagedKVCacheWrapper:
         else:
             self._custom_mask_buf = self._mask_indptr_buf = None
         if self._backend == "auto":
-            self._backend = "fa3" if HOPPER and self._custom_mask_buf is None else "fa2"
+            self._backend = determine_attention_backend(self.device, 0, False, self._custom_mask_buf is not None,
+                                                        q_data_type, kv_data_type)
+        get_batch_prefill_module(self._backend, q_data_type, kv_data_type, q_data_type, paged_kv_indptr.dtype,
+                                 head_dim_qk, head_dim_vo or head_dim_qk, 0, window_left >= 0, False, False)
         self._sizes = (num_qo_heads, num_kv_heads, head_dim_qk, page_size, qo_host.numel() - 1)
         self._causal, self._window_left = causal, window_left
         self.plans.append(self._backend)
@@ -186,8 +209,9 @@ def get_batch_indices_positions(append_indptr, seq_lens, nnz: int):
     return _tag(batch.to(torch.int32)), _tag(positions.to(torch.int32))
 
 
-def install(monkeypatch) -> types.ModuleType:
-    """Put this model in ``sys.modules`` as ``flashinfer`` (and as installed) for the test's duration."""
+def install(monkeypatch, build_error: str | None = None) -> types.ModuleType:
+    """Put this model in ``sys.modules`` as ``flashinfer`` (with its ``prefill``, ``page`` and ``utils``), and as
+    installed, for the test's duration; ``build_error``: every kernel build fails with it."""
     from mtp_train.runtime import attention
 
     module = types.ModuleType("flashinfer")
@@ -195,7 +219,17 @@ def install(monkeypatch) -> types.ModuleType:
     for name in ("BatchPrefillWithPagedKVCacheWrapper", "append_paged_kv_cache", "get_batch_indices_positions",
                  "segment_packbits"):
         setattr(module, name, globals()[name])
+    parts = {"prefill": ("get_batch_prefill_module",), "page": ("get_page_module",),
+             "utils": ("determine_attention_backend",)}
+    for part, names in parts.items():
+        sub = types.ModuleType(f"flashinfer.{part}")
+        for name in names:
+            setattr(sub, name, globals()[name])
+        setattr(module, part, sub)
+        monkeypatch.setitem(sys.modules, f"flashinfer.{part}", sub)
     BatchPrefillWithPagedKVCacheWrapper.instances = []
+    BUILT.clear()
+    monkeypatch.setattr(sys.modules[__name__], "BUILD_ERROR", build_error)
     monkeypatch.setitem(sys.modules, "flashinfer", module)
     monkeypatch.setattr(attention, "_flashinfer_installed", lambda: True)
     return module

@@ -166,3 +166,33 @@ def test_the_model_fails_where_flashinfer_066_fails(monkeypatch):
         monkeypatch.setattr(engine.backend, "masked", engine.backend.wrapper)
         with pytest.raises(flashinfer_066.KernelError, match="fa3"):
             _paged_rows(engine, prompts, continuation, tree=True)
+
+
+def test_every_kernel_the_backend_plans_is_built_before_the_kv_cache_is_sized(monkeypatch):
+    with fake_cuda(monkeypatch):
+        flashinfer_066.install(monkeypatch)
+        engine = _engine("auto")
+    assert type(engine.backend).__name__ == "FlashInferAttention"
+    assert [b[0] for b in flashinfer_066.BUILT] == ["fa3", "fa2"]
+    assert {b[5] for b in flashinfer_066.BUILT} == {engine.cfg.head_dim}
+
+
+def test_a_node_without_nvcc_falls_back_to_torch_on_auto_and_refuses_flashinfer(monkeypatch, capsys):
+    """flashinfer installed, no prebuilt kernels, no nvcc: ``auto`` decodes on the torch backend after one line that
+    says so; ``flashinfer`` named is a one-line user error."""
+    from mtp_train.errors import UserError
+    from mtp_train.runtime import attention
+
+    why = "Could not find nvcc and default cuda_home='/usr/local/cuda' doesn't exist"
+    prompts = sgd_chat_prompts(2, 3)
+    with fake_cuda(monkeypatch):
+        flashinfer_066.install(monkeypatch, build_error=why)
+        monkeypatch.setattr(attention, "_noticed", set())
+        engine = _engine("auto")
+        out = engine.generate(prompts, SamplingParams(max_new_tokens=4, stop_token_ids=()))
+        assert type(engine.backend).__name__ == "TorchAttention" and all(len(r.tokens) == 4 for r in out)
+        with pytest.raises(UserError, match="flashinfer could not build its kernels") as refused:
+            _engine("flashinfer")
+    line = "runtime: flashinfer could not build its kernels (RuntimeError: " + why + "), so attention uses the torch backend"
+    assert capsys.readouterr().err.strip().splitlines() == [line]
+    assert "\n" not in str(refused.value) and "nvcc" in str(refused.value)

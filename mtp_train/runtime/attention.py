@@ -240,12 +240,16 @@ def _notice(line: str) -> None:
         print(line, file=sys.stderr)
 
 
-def backend_name(name: str, device: torch.device, dtype: torch.dtype, latent: bool = False) -> str:
+def backend_name(name: str, device: torch.device, dtype: torch.dtype, latent: bool = False,
+                 head_dim: int | None = None, sliding_window: int | None = None) -> str:
     """Which backend ``name`` (the recipe's ``target.attention_backend``: auto, torch or flashinfer) resolves to.
 
     ``auto`` picks flashinfer on CUDA in bf16/fp16 when it is installed (the ``gpu`` extra), and torch otherwise.
     FlashInfer has no float32 kernels: fp32 on CUDA takes the torch backend, with a notice when flashinfer was asked
     for by name. ``latent``: the model uses MLA (DeepSeek), whose paged latent attention only torch implements.
+    With ``head_dim``, flashinfer's kernels for it are built or loaded now (``flashinfer_backend.load_kernels``);
+    where they cannot be (a node without nvcc and no prebuilt kernels), ``auto`` takes the torch backend with a
+    notice and ``flashinfer`` is refused.
     """
     from mtp_train.errors import UserError
 
@@ -263,17 +267,41 @@ def backend_name(name: str, device: torch.device, dtype: torch.dtype, latent: bo
             _notice("runtime: flashinfer has no float32 kernels; attention in float32 uses the torch backend "
                     "(set target.dtype: bfloat16 for flashinfer)")
         return "torch"
-    if name == "auto":
-        return "flashinfer" if device.type == "cuda" and _flashinfer_installed() else "torch"
-    return name
+    if name == "auto" and not (device.type == "cuda" and _flashinfer_installed()):
+        return "torch"
+    if name == "torch" or head_dim is None:
+        return name if name != "auto" else "flashinfer"
+    why = _kernels_missing(device, dtype, head_dim, sliding_window)
+    if why is None:
+        return "flashinfer"
+    if name == "flashinfer":
+        raise UserError(f"target.attention_backend: flashinfer could not build its kernels ({why}); put CUDA's nvcc "
+                        "on this node's PATH (or CUDA_HOME), carry prebuilt kernels (bench/flashinfer_aot.sh), or use "
+                        "auto or torch")
+    _notice(f"runtime: flashinfer could not build its kernels ({why}), so attention uses the torch backend")
+    return "torch"
+
+
+def _kernels_missing(device: torch.device, dtype: torch.dtype, head_dim: int, sliding_window: int | None
+                     ) -> str | None:
+    """None when flashinfer's kernels for these shapes load, else why not, in one line."""
+    from mtp_train.runtime.flashinfer_backend import load_kernels
+
+    try:
+        load_kernels(device, dtype, head_dim, sliding_window)
+    except Exception as e:  # noqa: BLE001  (nvcc missing, a compile error, a prebuilt module that does not load)
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        return f"{type(e).__name__}: {lines[-1][:200] if lines else ''}"
+    return None
 
 
 def select_backend(
     name: str, device: torch.device, sliding_window: int | None, dtype: torch.dtype = torch.float32,
-    latent: bool = False,
+    latent: bool = False, head_dim: int | None = None,
 ) -> AttentionBackend:
-    """The attention backend that ``name`` resolves to (:func:`backend_name`), built for ``device``."""
-    if backend_name(name, device, dtype, latent) == "torch":
+    """The attention backend that ``name`` resolves to (:func:`backend_name`), built for ``device``; with
+    ``head_dim``, flashinfer only where its kernels for it load."""
+    if backend_name(name, device, dtype, latent, head_dim, sliding_window) == "torch":
         return TorchAttention(sliding_window)
     from mtp_train.runtime.flashinfer_backend import FlashInferAttention
 

@@ -69,7 +69,7 @@ class Drafter:
         cfg = dataclasses.replace(self.kv_config(), num_layers=num_layers)
         self.kv = KVPool(cfg, self.allocator, dtype, engine.device) if self.leader else None
         self.backend = select_backend(engine.backend_name, engine.device, sliding_window, dtype,
-                                      latent=cfg.mla is not None)
+                                      latent=cfg.mla is not None, head_dim=cfg.head_dim)
         self.heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.carried: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # request id -> (logits [V], hidden [H])
 

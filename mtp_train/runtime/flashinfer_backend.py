@@ -132,6 +132,23 @@ def _exclusive(sizes: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(sizes, 0) - sizes
 
 
+def load_kernels(device: torch.device, dtype: torch.dtype, head_dim: int, sliding_window: int | None) -> None:
+    """Build, or load where they are prebuilt, the kernels this backend plans for ``head_dim`` heads in ``dtype``:
+    the paged prefill module ``auto`` picks on ``device`` (fa3 on Hopper: causal steps and DFlash's non-causal
+    block), fa2's (tree masks) and the paged-append module. flashinfer 0.6.6 compiles a module with nvcc at its
+    first use, into ``~/.cache/flashinfer``, unless its ``data/aot`` folder holds it (``bench/flashinfer_aot.sh``);
+    this raises whatever that build raises (no nvcc on the node, a failed compile)."""
+    from flashinfer.page import get_page_module
+    from flashinfer.prefill import get_batch_prefill_module
+    from flashinfer.utils import determine_attention_backend
+
+    auto = determine_attention_backend(device, 0, False, False, dtype, dtype)
+    args = (dtype, dtype, dtype, torch.int32, head_dim, head_dim, 0, sliding_window is not None, False, False)
+    for backend in dict.fromkeys((auto, "fa2")):
+        get_batch_prefill_module(backend, *args)
+    get_page_module()
+
+
 class FlashInferAttention:
     def __init__(self, device: torch.device, sliding_window: int | None, dtype: torch.dtype = torch.bfloat16) -> None:
         import flashinfer
