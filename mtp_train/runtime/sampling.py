@@ -47,19 +47,71 @@ def target_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.T
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        sorted_probs = sorted_logits.softmax(-1)
-        # Drop a token when the mass before it already reaches top_p; the top token always stays.
-        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
-        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+        logits = _nucleus(logits, params.top_p)
     return logits.softmax(-1)
 
 
+def _nucleus(logits: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
+    """``logits [N, V]`` float32 with the tokens outside each row's top-p nucleus set to -inf; ``top_p`` is one
+    float or ``[N, 1]`` float32 (``inf`` keeps a row whole)."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    sorted_probs = sorted_logits.softmax(-1)
+    # Drop a token when the mass before it already reaches top_p; the top token always stays.
+    drop = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
+    return logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+@dataclass(frozen=True)
+class RowSettings:
+    """Each row's sampling settings as ``[N, 1]`` tensors on the logits' device, built from the requests'
+    ``SamplingParams`` on the host and moved in one copy (the device is never read).
+
+    A setting that is off takes the value that leaves its row untouched, so every row goes through the same ops:
+    temperature 1 on greedy rows (whose result is replaced by their one-hot), a top-k threshold of -inf, a top-p
+    of inf."""
+
+    temperature: torch.Tensor  # [N, 1] float32
+    greedy: torch.Tensor  # [N, 1] bool
+    top_k_rank: torch.Tensor  # [N, 1] int64: the index of the k-th largest logit (0 where top-k is off)
+    top_k_on: torch.Tensor  # [N, 1] bool
+    top_p: torch.Tensor  # [N, 1] float32
+
+    @staticmethod
+    def of(params: list[SamplingParams], vocab: int, device: torch.device) -> RowSettings:
+        # Only the fields that shape the distribution are read: seeds, lengths and stop tokens never matter here.
+        host = torch.tensor([[1.0 if p.greedy else p.temperature, float(p.greedy),
+                              p.top_k - 1 if 0 < p.top_k < vocab else 0, float(0 < p.top_k < vocab),
+                              p.top_p if p.top_p < 1.0 else float("inf")] for p in params], dtype=torch.float64)
+        rows = to_device(host, device)
+        return RowSettings(temperature=rows[:, 0:1].float(), greedy=rows[:, 1:2] > 0, top_k_rank=rows[:, 2:3].long(),
+                           top_k_on=rows[:, 3:4] > 0, top_p=rows[:, 4:5].float())
+
+
 def target_distributions(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """``logits [N, V]``, row n decoded with ``params[n]`` -> ``[N, V]`` float32 (one call when all rows agree)."""
-    if all(p == params[0] for p in params):
-        return target_distribution(logits, params[0])
-    return torch.cat([target_distribution(logits[n : n + 1], p) for n, p in enumerate(params)])
+    """``logits [N, V]``, row n decoded with ``params[n]`` -> ``[N, V]`` float32, all rows in one batched pass.
+
+    Row n is ``target_distribution(logits[n : n + 1], params[n])``, whatever the other rows: on the CPU bit for
+    bit (the same ops per row); on CUDA a scaled logit may differ in its last bit, since torch's kernel divides
+    by a host scalar (there) as a product with its reciprocal and by a tensor (here) with a true division.
+    """
+    logits = logits.float()
+    vocab = logits.shape[-1]
+    hot = None
+    if any(p.greedy for p in params):
+        hot = torch.nn.functional.one_hot(logits.argmax(-1), vocab).float()
+        if all(p.greedy for p in params):
+            return hot
+    rows = RowSettings.of(params, vocab, logits.device)
+    logits = logits / rows.temperature
+    ranks = [p.top_k for p in params if 0 < p.top_k < vocab]
+    if ranks:  # one top-k for all rows: the k-th largest value is the same whichever larger k found it
+        kth = torch.topk(logits, max(ranks), dim=-1).values.gather(-1, rows.top_k_rank)
+        kth = kth.masked_fill(~rows.top_k_on, float("-inf"))
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if any(p.top_p < 1.0 for p in params):
+        logits = _nucleus(logits, rows.top_p)
+    probs = logits.softmax(-1)
+    return probs if hot is None else torch.where(rows.greedy, hot, probs)
 
 
 def uniforms(generators: list[torch.Generator | None], count: int) -> torch.Tensor:
