@@ -2,11 +2,13 @@
 # bench/gpu_check.py on the device tool's GPU machine, from a fresh checkout (no network there).
 #
 #   bash bench/gpu_check.sh fetch   here, with network: download the wheels that machine lacks into .whl/ (~18 MB,
-#                                   for its Python 3.12, x86-64) and git-ignore the folder
-#   bash bench/gpu_check.sh [ARGS]  there: install the wheels of the modules it lacks to /tmp/site, the project with
-#                                   `pip install -e . --no-deps`, then `python3 bench/gpu_check.py ARGS`
+#                                   for its Python 3.12, x86-64), build FlashInfer's kernels for sm_90a into .whl/aot/
+#                                   (bench/flashinfer_aot.py: nvcc here), and git-ignore the folder
+#   bash bench/gpu_check.sh [ARGS]  there: install the wheels of the modules it lacks to /tmp/site, the prebuilt
+#                                   kernels into flashinfer's data/aot, the project with `pip install -e . --no-deps`,
+#                                   then `python3 bench/gpu_check.py ARGS`
 #
-# Device tool: run(command="bash bench/gpu_check.sh", carry=[".whl"], timeout_s=560). What the check prints also goes
+# Device tool: run(command="bash bench/gpu_check.sh", carry=[".whl"], timeout_s=540). What the check prints also goes
 # to $OUT/gpu_check.out when $OUT is set (the check itself writes $OUT/gpu_check.md and $OUT/gpu_check.log).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -29,6 +31,7 @@ if [ "${1:-}" = fetch ]; then
         --platform manylinux2014_x86_64 -d .whl $specs || exit 1
     DS_BUILD_OPS=0 "${BUILD_PY:-.venv/bin/python}" -m pip wheel -q --no-deps --no-build-isolation -w .whl "$DEEPSPEED" \
         || exit 1  # its setup imports torch: the project venv has it
+    "${BUILD_PY:-.venv/bin/python}" bench/flashinfer_aot.py || exit 1
     exclude=$(git rev-parse --git-path info/exclude)
     mkdir -p "$(dirname "$exclude")"
     grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >>"$exclude"
@@ -49,6 +52,15 @@ if [ ${#missing[@]} -gt 0 ]; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${missing[@]}" \
         || echo "gpu_check.sh: the wheels did not install"
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+# FlashInfer's prebuilt kernels (bench/flashinfer_aot.py) where it looks for them first: its data/aot folder.
+if [ -d .whl/aot ]; then
+    aot=$($PY -c "from flashinfer.jit import env; print(env.FLASHINFER_AOT_DIR)" 2>/dev/null)
+    if [ -n "$aot" ] && mkdir -p "$aot" && cp -r .whl/aot/. "$aot"/; then
+        echo "gpu_check.sh: prebuilt FlashInfer kernels in $aot: $(ls .whl/aot | grep -vc BUILD.json) module(s)"
+    else
+        echo "gpu_check.sh: the prebuilt FlashInfer kernels could not be installed; flashinfer will compile them"
+    fi
 fi
 # The project: bench/gpu_check.py finds it without an install too (it puts the checkout on the path).
 $PY -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1 \

@@ -63,20 +63,30 @@ def fresh_rows(engine: Engine, prompts: list[list[int]], continuation: list[list
 
 def step_syncs(engine: Engine, prompts: list[list[int]], k: int = 4) -> dict[str, int]:
     """The most host syncs one step made, on a real GPU (``mtp_train.runtime.syncs``): plain greedy decoding
-    (``step``; its first is the prefill) and speculative decoding with a random mtp head at ``k`` (``_spec_step``,
-    ``_plain_step``), each after an untimed warm-up. At most ``SYNC_BUDGET`` each is the pass mark."""
+    (``step``; its first is the prefill), speculative decoding with a random mtp head at ``k`` (``_spec_step``,
+    ``_plain_step``), with a random dflash block drafter (``dflash _spec_step``) and with a draft tree of the mtp head
+    (``tree _spec_step``: its masked plans), each after an untimed warm-up. At most ``SYNC_BUDGET`` each is the pass
+    mark."""
     from mtp_train.heads import build_head, head_spec
-    from mtp_train.runtime.drafters import HeadDrafter
+    from mtp_train.runtime.drafters import HeadDrafter, head_drafter
     from mtp_train.runtime.speculative import SpeculativeDecoder
     from mtp_train.runtime.syncs import cuda_syncs, most_per_call
+    from mtp_train.runtime.tree import TreeShape
+    from mtp_train.runtime.tree_decoder import TreeDecoder
 
     params = SamplingParams(max_new_tokens=8, stop_token_ids=())
     torch.manual_seed(0)
-    decoder = SpeculativeDecoder(engine, HeadDrafter(engine, build_head(head_spec("mtp", 1, engine.cfg, "random"))), k)
+    dtype = engine.model.output.weight.dtype
+    mtp = HeadDrafter(engine, build_head(head_spec("mtp", 1, engine.cfg, "random")).to(engine.device, dtype))
+    dflash = build_head(head_spec("dflash", 1, engine.cfg, "random", aux_layers=(1, 2, 3), block_size=k + 1,
+                                  mask_token_id=engine.cfg.vocab_size - 1)).to(engine.device, dtype)
+    runners = [("", engine, ("step",)), ("", SpeculativeDecoder(engine, mtp, k), ("_spec_step", "_plain_step")),
+               ("dflash ", SpeculativeDecoder(engine, head_drafter(engine, dflash), k), ("_spec_step",)),
+               ("tree ", TreeDecoder(engine, mtp, TreeShape(4, 3, 8)), ("_spec_step",))]
     counts: dict[str, int] = {}
-    for runner, names in ((engine, ("step",)), (decoder, ("_spec_step", "_plain_step"))):
+    for label, runner, names in runners:
         runner.generate(prompts, params)
         with cuda_syncs() as syncs, most_per_call(runner, names, lambda: syncs.count) as most:
             runner.generate(prompts, params)
-        counts.update(most)
+        counts.update({label + name: n for name, n in most.items()})
     return counts
