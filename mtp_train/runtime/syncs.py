@@ -2,8 +2,10 @@
 
 ``cuda_syncs()`` records every synchronizing CUDA call torch makes (a device tensor read on the host with ``item``,
 ``tolist``, ``bool`` or ``.cpu()``; a blocking or pageable copy; ``torch.cuda.synchronize``; an op whose output size
-depends on the data), through torch's sync debug mode. What a C++ extension such as FlashInfer synchronizes inside
-its own code is not seen. ``most_per_call`` wraps methods of one object and keeps, per method, the most syncs one
+depends on the data), through torch's sync debug mode. FlashInfer's ``plan`` is seen where it calls torch (its
+copies of the index arrays: from the runtime's pinned host arrays, none waits); what its C++ planner does is not,
+and in 0.6.6 that is one ``cudaMemcpyAsync`` from page-locked memory (``attention/scheduler.cuh``), no sync.
+``bench/gpu_kernels.py`` counts the syncs of each kind of plan on a GPU. ``most_per_call`` wraps methods of one object and keeps, per method, the most syncs one
 call made. On a GPU::
 
     with cuda_syncs() as syncs, most_per_call(decoder, ("_spec_step", "_plain_step"), lambda: syncs.count) as most:
