@@ -96,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(name)
         env = {**os.environ, "CUDA_HOME": str(cuda_home(tmp)), "PYTHONPATH": str(site(tmp)),
                "FLASHINFER_CUDA_ARCH_LIST": ARCH, "FLASHINFER_WORKSPACE_BASE": str(tmp), "MAX_JOBS": str(args.jobs)}
-        print(f"flashinfer_aot: building for sm_{ARCH} with {args.jobs} nvcc job(s), head dims {list(HEAD_DIMS)}",
-              flush=True)
+        print(f"flashinfer_aot: building for sm_{ARCH.replace('.', '')} with {args.jobs} nvcc job(s), head dims "
+              f"{list(HEAD_DIMS)}", flush=True)
         start = time.perf_counter()
         proc = subprocess.run([sys.executable, "-c", BUILD, json.dumps(HEAD_DIMS)], env=env, stdout=subprocess.PIPE,
                               text=True)
