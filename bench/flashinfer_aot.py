@@ -88,7 +88,11 @@ def site(tmp: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--jobs", type=int, default=os.cpu_count(), help="nvcc jobs at once (flashinfer's MAX_JOBS)")
+    parser.add_argument("--force", action="store_true", help="build again when .whl/aot/ already holds these kernels")
     args = parser.parse_args(argv)
+    if not args.force and _built():
+        print(f"flashinfer_aot: {OUT.relative_to(ROOT)}/ already holds these kernels (--force builds them again)")
+        return 0
     if not (CUDA / "bin" / "nvcc").is_file():
         print(f"flashinfer_aot: no nvcc at {CUDA / 'bin'}; nothing built", file=sys.stderr)
         return 2
@@ -113,12 +117,23 @@ def main(argv: list[str] | None = None) -> int:
             module["bytes"] = (OUT / module["name"] / f"{module['name']}.so").stat().st_size
             del module["so"]
     total = sum(m["bytes"] for m in built)
-    record = {"flashinfer": "0.6.6", "arch": ARCH, "nvcc": _nvcc_version(), "jobs": args.jobs, "seconds": seconds,
-              "bytes": total, "modules": built}
+    record = {"flashinfer": "0.6.6", "arch": ARCH, "head_dims": list(HEAD_DIMS), "nvcc": _nvcc_version(),
+              "jobs": args.jobs, "seconds": seconds, "bytes": total, "modules": built}
     (OUT / "BUILD.json").write_text(json.dumps(record, indent=1) + "\n")
     print(f"flashinfer_aot: {len(built)} modules, {total / 2**20:.1f} MiB, built in {seconds}s -> "
           f"{OUT.relative_to(ROOT)}/")
     return 0
+
+
+def _built() -> bool:
+    """Whether ``OUT`` holds a complete build of this flashinfer, arch and head dims."""
+    try:
+        record = json.loads((OUT / "BUILD.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (record.get("flashinfer") == "0.6.6" and record.get("arch") == ARCH
+            and record.get("head_dims") == list(HEAD_DIMS)
+            and all((OUT / m["name"] / f"{m['name']}.so").is_file() for m in record.get("modules", [])))
 
 
 def _nvcc_version() -> str:
