@@ -3,6 +3,11 @@
 Only these tensors are read (through the safetensors index when the checkpoint is sharded), so
 memory does not grow with the target's depth. They are buffers, never parameters: no optimizer
 or gradient ever touches them.
+
+Under bf16 or fp16 autocast the lm_head's matmul runs on a half copy of the fp32 weight, made once and kept
+(``half_lm_head``): autocast caches its casts of parameters only, so it would cast this buffer again for every
+chunk of the loss and again when backward recomputes the chunk (a ``[vocab, H]`` temporary each time, 2 GiB at
+70B). The copy holds exactly the values autocast's cast would make, so the logits are the same bits.
 """
 
 from __future__ import annotations
@@ -27,6 +32,11 @@ class FrozenTarget(nn.Module):
         self.register_buffer("embed_weight", embed)  # [vocab, H]
         self.register_buffer("norm_weight", norm)  # [H]
         self.register_buffer("lm_head_weight", lm_head)  # [vocab, H]
+        self._half: dict[torch.dtype, torch.Tensor] = {}  # half_lm_head's copies, by dtype
+
+    def _apply(self, fn, recurse: bool = True):
+        self._half = {}  # .to(), .cuda(), .half() ...: the copies are of the weight as it was
+        return super()._apply(fn, recurse)
 
     @classmethod
     def load(cls, root: Path, dtype: torch.dtype = torch.float32) -> FrozenTarget:
@@ -44,7 +54,18 @@ class FrozenTarget(nn.Module):
         """The target's final RMSNorm: pre-norm ``[T, H]`` -> post-norm ``[T, H]``."""
         return F.rms_norm(hidden, self.norm_weight.shape, self.norm_weight, self.cfg.rms_norm_eps)
 
+    def half_lm_head(self, dtype: torch.dtype) -> torch.Tensor:
+        """The lm_head in ``dtype`` (bf16 or fp16) ``[vocab, H]``: made from the fp32 weight on first use, then kept."""
+        if self._half.get(dtype) is None:
+            self._half[dtype] = self.lm_head_weight.detach().to(dtype)
+        return self._half[dtype]
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """``[T, H]`` lm_head inputs -> ``[T, vocab]`` float32 logits."""
-        return F.linear(x, self.lm_head_weight).float()
+        """``[T, H]`` lm_head inputs -> ``[T, vocab]`` float32 logits (under half autocast, from ``half_lm_head``)."""
+        weight, kind = self.lm_head_weight, x.device.type
+        if weight.dtype == torch.float32 and kind in ("cpu", "cuda") and torch.is_autocast_enabled(kind):
+            dtype = torch.get_autocast_dtype(kind)
+            if dtype in (torch.bfloat16, torch.float16):
+                weight = self.half_lm_head(dtype)
+        return F.linear(x, weight).float()
 
