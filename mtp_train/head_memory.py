@@ -1,7 +1,8 @@
 """What training a head holds per rank, measured from the module the trainer builds: its parameters and the
-activations autograd saves, counted on the meta device (no memory, no arithmetic), with the attention kernel a GPU
-selects (``attention_kernel``: a flash kernel keeps no scores; SDPA's math kernel keeps each document's, which grow
-with the square of its length); and the loss's gathered rows. ``mtp_train.memory`` puts them into the plans."""
+activations autograd saves, counted on the meta device (no memory, no arithmetic), with the attention kernel the
+trainer runs on a GPU (``attention_kernel``: a flash kernel keeps no scores; SDPA's math kernel keeps each document's,
+which grow with the square of its length; ``range_attention``'s chunks keep none, their scores bounded per chunk);
+and the loss's gathered rows. ``mtp_train.memory`` puts them into the plans."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mtp_train.heads import AUX_KINDS, build_head, head_spec
+from mtp_train.heads.attention import ATTENTION_PEAK_BYTES
 from mtp_train.heads.eagle3 import aux_layers_for
 from mtp_train.models.config import ModelConfig
 from mtp_train.recipe import Recipe
+from mtp_train.train.blocks import block_chunk_rows, planned_anchors
 from mtp_train.train.vocab import draft_vocab_size
 
 
@@ -80,27 +83,28 @@ def _balanced_bincount(ids: torch.Tensor, minlength: int = 0) -> torch.Tensor:
 
 
 def attention_kernel(recipe: Recipe, cfg: ModelConfig, kind: str | None = None) -> str:
-    """The SDPA kernel the head's training attention runs on a GPU, as torch picks it: ``flash`` when the compute
-    dtype is half (``train.mixed_precision`` bf16 or fp16, or ``auto``, which is bf16 on CUDA), the attention has
-    no explicit mask and the head dimension is at most 256; else ``math``. That excludes an MLA head (a 576-wide
-    key), an eagle3 head (training-time test passes a mask; the memory-efficient kernel, which takes one, has no
-    grouped-query attention), a dflash head (its block attention is written out) and fp32 training. Where torch does
-    pick the memory-efficient kernel (a mask without GQA), it keeps less than the plan counts.
-    """
+    """The kernel the head's training attention runs on a GPU. ``chunked``: ``range_attention`` (an MLA head's
+    576-wide key, eagle3's training-time test, dflash's blocks: shapes and masks no fused SDPA kernel takes), which
+    keeps q, k and v and makes one chunk's scores at a time. Otherwise SDPA as torch picks it: ``flash`` when the
+    compute dtype is half (``train.mixed_precision`` bf16 or fp16, or ``auto``, which is bf16 on CUDA) and the head
+    dimension is at most 256; else ``math`` (fp32 training), which keeps each document's scores."""
     kind = kind or recipe.head.kind
+    if cfg.mla is not None or kind in ("eagle3", "dflash"):
+        return "chunked"
     half = recipe.train.mixed_precision in ("auto", "bf16", "fp16")
-    if cfg.mla is not None or kind in ("eagle3", "dflash") or not half or cfg.head_dim > 256:
-        return "math"
-    return "flash"
+    return "flash" if half and cfg.head_dim <= 256 else "math"
 
 
 def head_saved_bytes(recipe: Recipe, cfg: ModelConfig, cu_seqlens: list[int], steps: int = 1,
-                     device: str = "meta") -> int:
+                     device: str = "meta", anchors: list[torch.Tensor] | None = None) -> int:
     """Bytes autograd keeps for ``steps`` chained steps of the head over packed documents ``cu_seqlens``, with the
-    attention the trainer runs and the math kernel (``DocumentCausalAttention`` per step; an eagle3 head's
-    ``TTTAttention``, whose keys and mask grow by a step each time): the storages of the saved tensors still held
-    when the forward ends, each once (a view shares its base's bytes; a temporary whose graph was dropped holds
-    nothing). A head with experts (``HeadSpec.moe``) routes evenly on the meta device (``_balanced_bincount``)."""
+    attention the trainer runs (SDPA's math kernel for ``DocumentCausalAttention``'s, ``range_attention`` for MLA's,
+    eagle3's ``TTTAttention``, whose keys grow by a step each time, and dflash's ``BlockAttention``, at ``anchors``:
+    per document, every position by default): the storages of the saved tensors still held when the forward ends,
+    each once (a view shares its base's bytes; a temporary whose graph was dropped holds nothing; the aux states are
+    the batch's, not counted here). A dflash head is
+    one forward of blocks over its context, what one checkpointed chunk of ``block_loss`` keeps. A head with
+    experts (``HeadSpec.moe``) routes evenly on the meta device (``_balanced_bincount``)."""
     import contextlib
     import weakref
     from unittest import mock
@@ -117,11 +121,13 @@ def head_saved_bytes(recipe: Recipe, cfg: ModelConfig, cu_seqlens: list[int], st
         embeds, hidden = torch.randn(tokens, cfg.hidden_size), torch.randn(tokens, cfg.hidden_size)
         aux = torch.randn(tokens, len(spec.aux_layers) * cfg.hidden_size) if eagle3 or dflash else None
         positions = torch.cat([torch.arange(e - s) for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:])])
+    if anchors is None:  # on the host, where the block plan reads them
         anchors = [torch.arange(e - s - 1) for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:])]  # every one
     for module in head.modules():  # experts in a loop on every device: torch's grouped matmul takes bf16 weights
         if hasattr(module, "no_grouped_mm"):  # only (meta and CUDA), and the head's master weights are fp32
             module.no_grouped_mm = True
-    params = {p.untyped_storage()._cdata for p in head.parameters()}
+    # the parameters, and the aux states, which the batch holds (the plan's features term counts them)
+    params = {t.untyped_storage()._cdata for t in [*head.parameters(), *([aux] if aux is not None else [])]}
     saved: list[weakref.ref] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -134,7 +140,7 @@ def head_saved_bytes(recipe: Recipe, cfg: ModelConfig, cu_seqlens: list[int], st
         for step in range(steps):
             if dflash:  # one forward drafts the whole block: every step at once
                 firsts = embeds[: sum(a.numel() for a in anchors)]
-                blocks = torch.cat(anchors)[:, None] + torch.arange(spec.block_size, device=device)
+                blocks = torch.cat(anchors).to(device)[:, None] + torch.arange(spec.block_size, device=device)
                 out = hidden = head(firsts, aux, positions, blocks.view(-1),
                                     BlockAttention(cu_seqlens, anchors, spec.block_size))
                 break
@@ -156,26 +162,45 @@ def head_saved_bytes(recipe: Recipe, cfg: ModelConfig, cu_seqlens: list[int], st
 
 def head_activation_terms(recipe: Recipe, cfg: ModelConfig) -> tuple[int, int]:
     """What the ``train.unroll`` steps of the head keep: ``(bytes per token, bytes per squared token of a
-    document)``, for the kernel ``attention_kernel`` names.
+    document)``, for the kernel ``attention_kernel`` names (a dflash head: ``dflash_activation_terms``).
 
     ``flash``: the second term is 0, attention keeping what a flash kernel keeps (q, k, v, output, log-sum-exp).
+    ``chunked``: the second term is 0 too, ``range_attention`` keeping q, k and v; measured on the meta device.
     ``math``: the kernel's saves are counted too, measured on the meta device: the scaled query, the key and value
-    expanded to every head, and each document's ``[heads, L, S]`` softmax (MLA: one 576-wide key head shared by
-    every query head; eagle3: ``S`` grows by ``L`` each step, and the boolean mask with it). Measured over the
-    unrolled steps at two lengths of one document, ``saved(L) = a L + b L^2`` gives both terms exactly. fp32 is
-    counted; under bf16 autocast the kernel keeps about half."""
+    expanded to every head, and each document's ``[heads, L, S]`` softmax. Measured over the unrolled steps at two
+    lengths of one document, ``saved(L) = a L + b L^2`` gives both terms exactly. fp32 is counted; under bf16
+    autocast the kernel keeps about half."""
     steps = recipe.train.unroll
-    if attention_kernel(recipe, cfg) == "flash":
+    kernel = attention_kernel(recipe, cfg)
+    if kernel == "flash":
         return steps * head_activation_bytes_per_token(recipe, cfg), 0
     n = 512
-    # eagle3's steps differ (its keys and mask grow): all are measured. dflash's block is one forward. Other heads'
-    # steps are alike: one, times unroll.
-    kind = recipe.head.kind
-    measured, times = (steps, 1) if kind == "eagle3" else (1, 1) if kind == "dflash" else (1, steps)
+    # eagle3's steps differ (its keys grow): all are measured. Other heads' steps are alike: one, times unroll.
+    measured, times = (steps, 1) if recipe.head.kind == "eagle3" else (1, steps)
     one = head_saved_bytes(recipe, cfg, [0, n], measured)
+    if kernel == "chunked":
+        return times * one // n, 0
     two = head_saved_bytes(recipe, cfg, [0, 2 * n], measured)
     quadratic = (two - 2 * one) // (2 * n * n)
     return times * ((one - quadratic * n * n) // n), times * quadratic
+
+
+def dflash_activation_terms(recipe: Recipe, cfg: ModelConfig) -> tuple[int, int]:
+    """What one forward of a dflash head keeps: ``(bytes per context row, bytes per block row)``, measured on the
+    meta device at one context length with two numbers of anchors (``saved = c n + b A B``, linear in both: each
+    block row's scores are made a chunk at a time, not kept)."""
+    n, size = 512, recipe.head.block_size
+    every = head_saved_bytes(recipe, cfg, [0, n])  # n - 1 anchors
+    half = head_saved_bytes(recipe, cfg, [0, n], anchors=[torch.arange((n - 1) // 2)])
+    per_block_row = (every - half) // ((n - 1 - (n - 1) // 2) * size)
+    return (every - per_block_row * (n - 1) * size) // n, per_block_row
+
+
+def dflash_blocks(recipe: Recipe) -> tuple[int, int]:
+    """``(blocks a batch trains as the plan counts them, block rows per checkpointed chunk)``: ``block_loss``'s."""
+    tr, d = recipe.train, recipe.data
+    return (planned_anchors(tr.batch_tokens, d.max_length, tr.anchors),
+            block_chunk_rows(tr.batch_tokens, d.max_length, tr.anchors, recipe.head.block_size))
 
 
 def loss_copy_bytes(recipe: Recipe, cfg: ModelConfig) -> int:
@@ -184,14 +209,15 @@ def loss_copy_bytes(recipe: Recipe, cfg: ModelConfig) -> int:
     the hidden width (smooth-L1's fed-back state and hidden target; the lm_head's norm keeps its input and its
     normalised rows; the vocabulary chunks' checkpoint keeps the norm's output), the teacher's rows (``exact``:
     the target's hidden; top-K: log-probs, ids and the tail), and the row's index, mask and per-row terms (24 B).
-    eagle3 has no hidden term but gathers twice: the counted rows, then those its draft vocabulary holds. A
-    post-norm head also holds the batch's hidden through the target's final norm. The vocabulary chunks' own
-    working set is the separate ``4 x CHUNK_BYTES`` bound."""
+    eagle3 has no hidden term but gathers twice: the counted rows, then those its draft vocabulary holds. dflash:
+    per block position of the blocks ``dflash_blocks`` counts. A post-norm head also holds the batch's hidden
+    through the target's final norm. The vocabulary chunks' own working set is the separate ``4 x CHUNK_BYTES``
+    bound."""
     tr = recipe.train
     hidden = cfg.hidden_size * 4
     teacher = hidden if tr.teacher == "exact" else recipe.precompute.topk * 12 + 4
     if recipe.head.kind == "dflash":  # per block position: the gathered output, its norm, the teacher's rows
-        return (recipe.head.block_size - 1) * tr.batch_tokens * (3 * hidden + teacher + 24)
+        return (recipe.head.block_size - 1) * dflash_blocks(recipe)[0] * (3 * hidden + teacher + 24)
     if recipe.head.kind == "eagle3":
         row, whole = 2 * hidden + 2 * teacher + 24, 0
     else:
@@ -203,16 +229,24 @@ def loss_copy_bytes(recipe: Recipe, cfg: ModelConfig) -> int:
 def train_activation_bytes(recipe: Recipe, cfg: ModelConfig) -> int:
     """What autograd keeps for ``train.unroll`` steps over ``train.batch_tokens`` tokens; with the math kernel the
     documents' squared lengths are bounded by ``batch_tokens x`` the longest document (``data.max_length``):
-    ``sum L_i^2 <= max L x sum L_i``."""
+    ``sum L_i^2 <= max L x sum L_i``. ``chunked``: plus one chunk's scores at their peak (``ATTENTION_PEAK_BYTES``).
+    dflash: one checkpointed chunk of blocks at a time, over a context of at most the batch's tokens."""
     tr = recipe.train
+    if recipe.head.kind == "dflash":
+        per_context_row, per_block_row = dflash_activation_terms(recipe, cfg)
+        blocks, rows = dflash_blocks(recipe)
+        rows = min(rows, blocks * recipe.head.block_size)
+        return tr.batch_tokens * per_context_row + rows * per_block_row + ATTENTION_PEAK_BYTES
     linear, quadratic = head_activation_terms(recipe, cfg)
     longest = min(recipe.data.max_length, tr.batch_tokens)
-    return tr.batch_tokens * linear + quadratic * tr.batch_tokens * longest
+    peak = ATTENTION_PEAK_BYTES if attention_kernel(recipe, cfg) == "chunked" else 0
+    return tr.batch_tokens * linear + quadratic * tr.batch_tokens * longest + peak
 
 
-def frozen_bytes(cfg: ModelConfig) -> int:
-    """The frozen embedding and lm_head the trainer holds in fp32 (one tensor when tied)."""
-    return cfg.vocab_size * cfg.hidden_size * 4 * (1 if cfg.tie_word_embeddings else 2)
+def frozen_bytes(cfg: ModelConfig, half_lm_head: bool = False) -> int:
+    """The frozen embedding and lm_head the trainer holds in fp32 (one tensor when tied), and with ``half_lm_head``
+    the lm_head's bf16 copy that bf16 autocast computes the logits with (``FrozenTarget.half_lm_head``)."""
+    return cfg.vocab_size * cfg.hidden_size * (4 * (1 if cfg.tie_word_embeddings else 2) + (2 if half_lm_head else 0))
 
 
 def batch_bytes(recipe: Recipe, cfg: ModelConfig, layers: int) -> int:

@@ -14,7 +14,7 @@ from mtp_train.runtime.drafters import BlockDrafter
 from mtp_train.runtime.engine import Engine
 from mtp_train.runtime.kv_cache import PageTable
 from mtp_train.runtime.speculative import SpeculativeDecoder
-from mtp_train.train.blocks import BlockAttention, _attend_blocks
+from mtp_train.train.blocks import BlockAttention
 from mtp_train.train.checkpoint import load_head
 from test_speculative import GREEDY
 
@@ -30,22 +30,43 @@ def _head(frozen: FrozenTarget, layers: int = 2):
     return head
 
 
-def test_block_attention_equals_a_dense_mask():
-    """Context scores and own-block scores taken apart, softmaxed together, equal SDPA over every key with the
-    block's mask: context positions below the anchor, and the anchor's own block."""
+def test_block_attention_equals_a_dense_mask(monkeypatch):
+    """Block rows over a range of context rows and their own block's keys, a few rows at a time (the scores made again
+    in backward), equal SDPA over every key with the block's mask, forward and gradients: context positions below the
+    anchor, and the anchor's own block."""
+    from mtp_train.heads import attention
+
+    monkeypatch.setattr(attention, "SCORE_CHUNK_BYTES", 2 * BLOCK * 4 * 16 * 4)  # chunks of two blocks or fewer
     torch.manual_seed(0)
     n, anchors, hq, hkv, d = 11, torch.tensor([0, 3, 9]), 4, 2, 8
     r = anchors.numel() * BLOCK
-    q, k, v = torch.randn(r, hq, d), torch.randn(r, hkv, d), torch.randn(r, hkv, d)
-    ck, cv = torch.randn(n, hkv, d), torch.randn(n, hkv, d)
-    got = _attend_blocks(q, k, v, ck, cv, anchors, BLOCK)
-    owner = torch.arange(r) // BLOCK
-    mask = torch.cat([torch.arange(n)[None, :] < anchors[owner][:, None], owner[:, None] == owner[None, :]], dim=1)
-    keys, values = torch.cat([ck, k]), torch.cat([cv, v])
-    want = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None], attn_mask=mask,
-        enable_gqa=True)[0].transpose(0, 1)
+    inputs = [torch.randn(r, hq, d), torch.randn(r, hkv, d), torch.randn(r, hkv, d), torch.randn(n, hkv, d),
+              torch.randn(n, hkv, d)]
+    weight = torch.randn(r, hq, d)
+    plan = BlockAttention([0, n], [anchors], BLOCK)
+    assert len(plan.ranges.chunks(hq, BLOCK)) > 1
+
+    def run(attend):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        out = attend(*leaves)
+        return out, torch.autograd.grad((out * weight).sum(), leaves)
+
+    def chunked(q, k, v, ck, cv):
+        plan.context = (ck, cv)
+        return plan.attend(q, k, v)
+
+    def dense(q, k, v, ck, cv):
+        owner = torch.arange(r) // BLOCK
+        mask = torch.cat([torch.arange(n)[None, :] < anchors[owner][:, None], owner[:, None] == owner[None, :]], 1)
+        keys, values = torch.cat([ck, k]), torch.cat([cv, v])
+        return torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None], attn_mask=mask,
+            enable_gqa=True)[0].transpose(0, 1)
+
+    (got, got_grads), (want, want_grads) = run(chunked), run(dense)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
 def test_training_blocks_compute_what_the_runtime_block_computes():
@@ -82,6 +103,39 @@ def test_training_blocks_compute_what_the_runtime_block_computes():
                            drafter.kv.layers)
         drafter.allocator.free(table)
         torch.testing.assert_close(out, trained[i], rtol=1e-4, atol=1e-4)
+
+
+def test_blocks_in_chunks_give_the_loss_and_gradients_of_one_forward():
+    """``block_loss`` a few anchors at a time (each chunk over its own documents' context rows, checkpointed: made
+    again in backward) gives the loss, per-position metrics and gradients of every block in one forward."""
+    import dataclasses
+
+    from mtp_train.train.blocks import block_loss
+    from mtp_train.train.data import Batch
+    from mtp_train.train.loss import LossWeights
+
+    frozen = FrozenTarget.load(TINY_TARGET)
+    head = _head(frozen).train()
+    h, v, k = frozen.cfg.hidden_size, frozen.cfg.vocab_size, 8
+    cu = [0, 20, 27, 60]
+    torch.manual_seed(1)
+    n = cu[-1]
+    batch = Batch(torch.randint(0, v, (n,)), torch.randn(n, h), torch.rand(n) < 0.7, torch.randn(n, k).log_softmax(-1),
+                  torch.randint(0, v, (n, k)), torch.full((n,), -3.0), cu, torch.randn(n, 3 * h))
+    weights = LossWeights(0.0, 1.0, BLOCK - 1, 0.8, "topk")
+    runs = []
+    for rows in (10**6, 4 * BLOCK):  # one chunk; chunks of 4 anchors, some across documents
+        head.zero_grad()
+        loss, metrics = block_loss(head, frozen, batch, dataclasses.replace(weights, block_rows=rows))
+        loss.backward()
+        runs.append((loss.detach(), metrics, [p.grad.clone() for p in head.parameters()]))
+    (loss, metrics, grads), chunked = runs[0], runs[1:]
+    for other_loss, other_metrics, other_grads in chunked:
+        torch.testing.assert_close(other_loss, loss, rtol=1e-5, atol=1e-6)
+        assert [(m.correct, m.count) for m in other_metrics] == [(m.correct, m.count) for m in metrics]
+        torch.testing.assert_close(torch.stack([m.loss for m in other_metrics]), torch.stack([m.loss for m in metrics]))
+        for g, w in zip(other_grads, grads):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
 
 
 def test_the_trained_head_trains_and_keeps_its_block(dflash_run):

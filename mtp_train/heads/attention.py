@@ -1,9 +1,138 @@
-"""Attention for head training: causal within each packed document, no KV cache."""
+"""Attention for head training over packed documents, no KV cache.
+
+``DocumentCausalAttention`` runs SDPA per document, causal: a GPU's flash kernel takes it in bf16. What no fused
+kernel takes goes through ``range_attention`` instead: MLA's absorbed form (a 576-wide key head), eagle3's
+training-time test (the step-0 keys causally, then one key of each later step at the query's own row) and dflash's
+blocks (the context before each anchor, then the block's own keys). Each query sees a range of context rows and the
+extra keys of its group; the scores are made a chunk of queries at a time and made again in backward, so that what
+autograd keeps is q, k and v, as a flash kernel keeps, and the scores never exist for more than one chunk.
+"""
 
 from __future__ import annotations
 
+from bisect import bisect_right
+from contextlib import nullcontext
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+
+# Bytes of one chunk's float32 scores [rows, heads, keys]. A chunk's forward and backward hold a few tensors of that
+# size at once (scores, probabilities, their gradients): ATTENTION_PEAK_BYTES bounds them for the memory plan.
+SCORE_CHUNK_BYTES = 256 * 2**20
+ATTENTION_PEAK_BYTES = 5 * SCORE_CHUNK_BYTES
+
+
+@dataclass(frozen=True)
+class KeyRanges:
+    """Which keys query row r sees: context rows ``lo[r] <= m < hi[r]`` and every extra key of the rows of its group
+    (rows ``g * group .. g * group + group - 1`` for ``g = r // group``). ``lo`` and ``hi`` are host lists, both
+    non-decreasing in r (packed documents in order), and every row sees at least one key."""
+
+    lo: list[int]
+    hi: list[int]
+    group: int = 1
+
+    def chunks(self, heads: int, extra: int) -> list[tuple[int, int]]:
+        """Row ranges ``[r0, r1)``, whole groups each, whose float32 scores (``rows x heads x`` the keys from the
+        first row's ``lo`` to the last row's ``hi``, plus ``extra`` per row) fit ``SCORE_CHUNK_BYTES``: a group at
+        least."""
+        rows, out, r0, budget = len(self.lo), [], 0, SCORE_CHUNK_BYTES
+        while r0 < rows:
+            def cost(groups: int) -> int:
+                r1 = r0 + groups * self.group
+                return groups * self.group * heads * (self.hi[r1 - 1] - self.lo[r0] + extra) * 4
+
+            # the cost only grows with the rows (hi is non-decreasing): the most groups within budget, by bisection
+            most = (rows - r0) // self.group
+            groups = max(1, bisect_right(range(1, most + 1), budget, key=cost))
+            out.append((r0, r0 + groups * self.group))
+            r0 += groups * self.group
+        return out
+
+
+def _no_autocast(device: torch.device):
+    return torch.autocast(device.type, enabled=False) if device.type in ("cpu", "cuda") else nullcontext()
+
+
+def _attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extras: list[torch.Tensor], lo: torch.Tensor,
+                  hi: torch.Tensor, group: int, scale: float) -> torch.Tensor:
+    """One chunk, in float32: ``q [c, Hq, D]``, the chunk's context ``k [n, Hkv, D]``, ``v [n, Hkv, Dv]``, its rows'
+    ranges ``lo, hi [c]`` (relative to k), extra keys then values ``[c, Hkv, D]`` / ``[c, Hkv, Dv]`` (x keys, then x
+    values) -> ``[c, Hq, Dv]``. The query heads of a key head are one view (``[c, Hkv, rep, D]``): no key is copied
+    per query head."""
+    c, hq, d = q.shape
+    hkv, n, x = k.shape[1], k.shape[0], len(extras) // 2
+    qg = q.float().view(c, hkv, hq // hkv, d) * scale
+    scores = torch.einsum("cgrd,ngd->cgrn", qg, k.float())
+    cols = torch.arange(n, device=q.device)
+    scores = scores.masked_fill(((cols < lo[:, None]) | (cols >= hi[:, None]))[:, None, None], float("-inf"))
+    if x:
+        blocks = c // group  # [c, x, Hkv, D] -> per group: its rows' x keys each, [blocks, group * x, Hkv, D]
+        ek = torch.stack(extras[:x], 1).float().reshape(blocks, group * x, hkv, d)
+        ev = torch.stack(extras[x:], 1).float().reshape(blocks, group * x, hkv, -1)
+        own = torch.einsum("bigrd,bjgd->bigrj", qg.view(blocks, group, *qg.shape[1:]), ek)
+        scores = torch.cat([scores, own.reshape(c, hkv, hq // hkv, group * x)], -1)
+    p = torch.softmax(scores, -1)
+    out = torch.einsum("cgrn,ngd->cgrd", p[..., :n], v.float())
+    if x:
+        p_own = p[..., n:].reshape(blocks, group, hkv, hq // hkv, group * x)
+        out = out + torch.einsum("bigrj,bjgd->bigrd", p_own, ev).reshape(out.shape)
+    return out.reshape(c, hq, -1)
+
+
+class _RangeAttention(torch.autograd.Function):
+    """``range_attention``'s autograd: saves its inputs only, and makes each chunk again in backward."""
+
+    @staticmethod
+    def forward(ctx, ranges: KeyRanges, scale: float, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                *extras: torch.Tensor) -> torch.Tensor:
+        ctx.ranges, ctx.scale = ranges, scale
+        ctx.save_for_backward(q, k, v, *extras)
+        ctx.chunks = ranges.chunks(q.shape[1], ranges.group * len(extras) // 2)
+        lo, hi = (torch.tensor(t, device=q.device) for t in (ranges.lo, ranges.hi))
+        ctx.bounds = lo, hi
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+        with _no_autocast(q.device):
+            for r0, r1 in ctx.chunks:
+                k0, k1 = ranges.lo[r0], ranges.hi[r1 - 1]
+                out[r0:r1] = _attend_chunk(q[r0:r1], k[k0:k1], v[k0:k1], [e[r0:r1] for e in extras], lo[r0:r1] - k0,
+                                           hi[r0:r1] - k0, ranges.group, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        q, k, v, *extras = ctx.saved_tensors
+        ranges, (lo, hi) = ctx.ranges, ctx.bounds
+        grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v, *extras)]
+        with _no_autocast(q.device):
+            for r0, r1 in ctx.chunks:
+                k0, k1 = ranges.lo[r0], ranges.hi[r1 - 1]
+                parts = [q[r0:r1], k[k0:k1], v[k0:k1], *(e[r0:r1] for e in extras)]
+                leaves = [t.detach().float().requires_grad_() for t in parts]
+                with torch.enable_grad():
+                    out = _attend_chunk(leaves[0], leaves[1], leaves[2], leaves[3:], lo[r0:r1] - k0, hi[r0:r1] - k0,
+                                        ranges.group, ctx.scale)
+                got = torch.autograd.grad(out, leaves, grad[r0:r1].float())
+                for whole, rows, g in zip(grads, [(r0, r1), (k0, k1), (k0, k1)] + [(r0, r1)] * len(extras), got):
+                    whole[rows[0] : rows[1]] += g
+        return (None, None, *(g.to(t.dtype) for g, t in zip(grads, (q, k, v, *extras))))
+
+
+def range_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranges: KeyRanges,
+                    extras: list[tuple[torch.Tensor, torch.Tensor]] = (), scale: float | None = None) -> torch.Tensor:
+    """``q [R, Hq, D]`` over context keys ``k [N, Hkv, D]`` and values ``v [N, Hkv, Dv]`` as ``ranges`` says, and over
+    the extra keys and values ``extras`` (each ``[R, Hkv, D]``, ``[R, Hkv, Dv]``) of each row's group -> ``[R, Hq, Dv]``
+    in q's dtype. One softmax over both, in float32 (the scale ``D**-0.5`` unless given), as SDPA's math kernel with
+    the equivalent mask computes it; grouped-query attention when ``Hkv < Hq``."""
+    flat = [e[0] for e in extras] + [e[1] for e in extras]
+    return _RangeAttention.apply(ranges, q.shape[-1] ** -0.5 if scale is None else scale, q, k, v, *flat)
+
+
+def causal_ranges(cu_seqlens: list[int]) -> KeyRanges:
+    """Each row sees its document's rows up to itself: ``lo`` the document's start, ``hi`` the row + 1."""
+    lo = [s for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:]) for _ in range(e - s)]
+    return KeyRanges(lo, list(range(1, cu_seqlens[-1] + 1)))
 
 
 class DocumentCausalAttention:
@@ -14,6 +143,7 @@ class DocumentCausalAttention:
     """
 
     def __init__(self, cu_seqlens: list[int]) -> None:
+        self.cu_seqlens = cu_seqlens
         self.bounds = list(zip(cu_seqlens[:-1], cu_seqlens[1:]))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache=None, v_cache=None) -> torch.Tensor:
@@ -30,12 +160,5 @@ class DocumentCausalAttention:
 
     def attend_latent(self, q: torch.Tensor, latent: torch.Tensor, cache, v_dim: int, scale: float) -> torch.Tensor:
         """MLA, absorbed: ``q [T, H, D]`` against ``latent [T, 1, D]`` (its first ``v_dim`` channels the value)
-        -> ``[T, H, v_dim]``."""
-        parts = [
-            F.scaled_dot_product_attention(
-                q[None, s:e].transpose(1, 2), latent[None, s:e].transpose(1, 2),
-                latent[None, s:e, :, :v_dim].transpose(1, 2), is_causal=True, enable_gqa=True, scale=scale,
-            )[0].transpose(0, 1)
-            for s, e in self.bounds
-        ]
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
+        -> ``[T, H, v_dim]``, by ``range_attention``: no fused kernel takes a 576-wide key head."""
+        return range_attention(q, latent, latent[..., :v_dim], causal_ranges(self.cu_seqlens), scale=scale)

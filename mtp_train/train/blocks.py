@@ -12,6 +12,11 @@ Anchors: every one by default, since the context's keys are made once per layer 
 ``train.anchors`` samples that many per document, uniformly, without replacement, from torch's global generator (which
 the trainer seeds and checkpoints). Validation takes every anchor, so it is deterministic.
 
+Memory: a batch's blocks run through the head a chunk of consecutive anchors at a time (at most ``LossWeights.
+block_rows`` block rows, ``block_chunk_rows``), each chunk over the context rows of its own documents, under
+activation checkpointing: backward makes one chunk's activations again at a time, so a step keeps one chunk's
+layer activations, not every block's (at every anchor of 16,384 tokens with B = 9, 147,456 rows of a 70B layer).
+
 Choices where the paper and the public implementations differ: the loss is the KL against the stored top-K and tail
 that every head here trains on, not cross-entropy against the data's tokens; the mask is a trained vector, not a
 frozen embedding row; the block is the trained size here and ``1 + k`` at k drafts in the runtime and in vLLM.
@@ -20,11 +25,32 @@ frozen embedding row; the block is the trained size here and ``1 + k`` at k draf
 from __future__ import annotations
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
+from mtp_train.heads.attention import KeyRanges, range_attention
 from mtp_train.heads.dflash import DFlashHead
 from mtp_train.heads.frozen import FrozenTarget
 from mtp_train.train.data import Batch
 from mtp_train.train.loss import LossWeights, StepMetrics, vocab_terms
+
+# Block rows a chunk runs through the head at most: a 70B layer keeps about 0.9 MB per row in fp32 (7 GiB a chunk).
+BLOCK_ROWS = 8192
+
+
+def planned_anchors(batch_tokens: int, max_length: int, anchors: int | None) -> int:
+    """The blocks a batch of ``batch_tokens`` trains, as the memory plan counts them: one per token with
+    ``train.anchors`` unset (every position whose next token counts, at most); else ``anchors`` per document, in
+    documents of ``data.max_length`` tokens (a batch of shorter documents trains more blocks)."""
+    if not anchors:
+        return batch_tokens
+    return min(batch_tokens, anchors * -(-batch_tokens // min(max_length, batch_tokens)))
+
+
+def block_chunk_rows(batch_tokens: int, max_length: int, anchors: int | None, block_size: int) -> int:
+    """Block rows per checkpointed chunk: ``BLOCK_ROWS``, or the planned blocks' rows when fewer, whole blocks. A
+    batch with more blocks than planned runs more chunks of this size, so its peak stays the plan's."""
+    rows = min(BLOCK_ROWS, block_size * planned_anchors(batch_tokens, max_length, anchors))
+    return max(block_size, rows - rows % block_size)
 
 
 class BlockAttention:
@@ -32,52 +58,20 @@ class BlockAttention:
 
     ``anchors``: per document, its anchors' positions ``[A_d]`` (ascending). Block rows are packed document by
     document, anchor by anchor, B rows each; a block row attends to its document's context keys at positions below
-    its anchor and to its own block's keys. ``context``: the layer's context keys and values ``[T, Hkv, D]``.
+    its anchor and to its own block's keys (``range_attention``: a range of context rows, the block as its group).
+    ``context``: the layer's context keys and values ``[T, Hkv, D]``.
     """
 
     def __init__(self, cu_seqlens: list[int], anchors: list[torch.Tensor], block_size: int) -> None:
-        self.bounds = list(zip(cu_seqlens[:-1], cu_seqlens[1:]))
-        self.anchors = anchors
-        self.block_size = block_size
+        lo = [s for s, a in zip(cu_seqlens, anchors) for _ in range(a.numel() * block_size)]
+        hi = [s + int(p) for s, a in zip(cu_seqlens, anchors) for p in a.tolist() for _ in range(block_size)]
+        self.ranges = KeyRanges(lo, hi, block_size)
         self.context: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache=None, v_cache=None) -> torch.Tensor:
         """Block rows' ``q [R, Hq, D]``, ``k, v [R, Hkv, D]`` -> ``[R, Hq, D]``."""
         assert self.context is not None, "the head sets each layer's context before the layer runs"
-        ctx_k, ctx_v = self.context
-        parts, row = [], 0
-        for (s, e), anchors in zip(self.bounds, self.anchors):
-            r = anchors.numel() * self.block_size
-            if r:
-                rows = slice(row, row + r)
-                parts.append(_attend_blocks(q[rows], k[rows], v[rows], ctx_k[s:e], ctx_v[s:e], anchors,
-                                            self.block_size))
-            row += r
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
-
-
-def _attend_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
-                   anchors: torch.Tensor, size: int) -> torch.Tensor:
-    """One document: block rows ``q [A*B, Hq, D]``, ``k, v [A*B, Hkv, D]``, context ``ctx_k, ctx_v [n, Hkv, D]``,
-    anchors ``[A]`` -> ``[A*B, Hq, D]``.
-
-    Scores against the context ``[Hq, A*B, n]`` (a prefix per anchor) and against the own block ``[Hq, A*B, B]`` are
-    taken apart and softmaxed together: a dense mask over every block's keys would be A times larger.
-    """
-    a, (r, hq, d) = anchors.numel(), q.shape
-    rep = hq // k.shape[1]
-    k, v, ctx_k, ctx_v = (t.repeat_interleave(rep, dim=1) if rep > 1 else t for t in (k, v, ctx_k, ctx_v))
-    scale = d**-0.5
-    s_ctx = torch.einsum("rhd,nhd->hrn", q, ctx_k) * scale
-    seen = torch.arange(ctx_k.shape[0], device=q.device)[None, :] < anchors.repeat_interleave(size)[:, None]
-    s_ctx = s_ctx.masked_fill(~seen, float("-inf"))
-    qb, kb = q.view(a, size, hq, d), k.view(a, size, hq, d)
-    s_blk = torch.einsum("aihd,ajhd->haij", qb, kb).reshape(hq, r, size) * scale
-    p = torch.softmax(torch.cat([s_ctx, s_blk], dim=-1), dim=-1)
-    p_ctx, p_blk = p.split([ctx_k.shape[0], size], dim=-1)
-    out = torch.einsum("hrn,nhd->rhd", p_ctx, ctx_v)
-    own = torch.einsum("haij,ajhd->aihd", p_blk.reshape(hq, a, size, size), v.view(a, size, hq, d))
-    return out + own.reshape(r, hq, d)
+        return range_attention(q, *self.context, self.ranges, [(k, v)])
 
 
 def _anchors(batch: Batch, sample: int) -> list[torch.Tensor]:
@@ -91,6 +85,29 @@ def _anchors(batch: Batch, sample: int) -> list[torch.Tensor]:
     return picks
 
 
+def _chunks(counts: list[int], per_chunk: int) -> list[tuple[int, int, int, int]]:
+    """Consecutive anchors, ``per_chunk`` at most, as ``(a0, a1, first document, last document)``; documents without
+    anchors are skipped."""
+    owner = [d for d, c in enumerate(counts) for _ in range(c)]
+    return [(a0, min(a0 + per_chunk, len(owner)), owner[a0], owner[min(a0 + per_chunk, len(owner)) - 1])
+            for a0 in range(0, len(owner), per_chunk)]
+
+
+def _through_wrapper_once(forward, head: DFlashHead, frozen: FrozenTarget):
+    """One chunk's forward, ``(first token ids [a], aux, context positions, block positions, plan) -> [a * B, H]``,
+    as checkpointing runs it: through ``forward`` (DDP's or DeepSpeed's wrapper, which prepares its gradient reduction
+    there) in the forward pass, through the module itself when backward makes the chunk again (the wrapper's
+    preparation must not run inside backward). The same parameters and arithmetic either way."""
+    calls = []
+
+    def run(first: torch.Tensor, *args):
+        module = head if calls else forward
+        calls.append(1)
+        return module(frozen.embed(first), *args)
+
+    return run
+
+
 def block_loss(head: DFlashHead, frozen: FrozenTarget, batch: Batch, weights: LossWeights, forward=None
                ) -> tuple[torch.Tensor, list[StepMetrics]]:
     """Weighted loss over block positions 1..B-1 and their metrics (``forward``: the head as wrapped for DDP)."""
@@ -98,34 +115,44 @@ def block_loss(head: DFlashHead, frozen: FrozenTarget, batch: Batch, weights: Lo
     size, device, n = head.spec.block_size, batch.tokens.device, batch.num_tokens
     cu = batch.cu_seqlens
     picks = _anchors(batch, weights.anchors)
-    counts = torch.tensor([p.numel() for p in picks], device=device)
-    starts, ends = (torch.tensor(x, device=device).repeat_interleave(counts) for x in (cu[:-1], cu[1:]))
-    local = torch.cat(picks)  # [A]
-    a = local.numel()
-    metrics: list[StepMetrics] = []
-    if a == 0:
+    counts = [p.numel() for p in picks]
+    if sum(counts) == 0:
         return batch.hidden.new_zeros(()), [StepMetrics(batch.hidden.new_zeros(()), 0, 0)] * (size - 1)
+    counts_t = torch.tensor(counts, device=device)
+    starts, ends = (torch.tensor(x, device=device).repeat_interleave(counts_t) for x in (cu[:-1], cu[1:]))
+    local = torch.cat(picks)  # [A]
     lengths = torch.tensor([e - s for s, e in zip(cu[:-1], cu[1:])], device=device)
     context_positions = torch.arange(n, device=device) - torch.tensor(cu[:-1], device=device).repeat_interleave(lengths)
     block_positions = local[:, None] + torch.arange(size, device=device)  # [A, B]
     label = starts[:, None] + block_positions  # rows of t_{a+j}
     counted = (label < ends[:, None]) & batch.loss_mask[label.clamp(max=n - 1)]
-    plan = BlockAttention(cu, picks, size)
-    out = forward(frozen.embed(batch.tokens[starts + local]), batch.aux, context_positions, block_positions.view(-1),
-                  plan).view(a, size, -1)
+    totals = counted.sum(0).tolist()  # per block position, over every chunk
     exact = weights.teacher == "exact"
     total = batch.hidden.new_zeros(())
-    for j in range(1, size):
-        keep = counted[:, j]
-        count = int(keep.sum())
-        if count == 0:
-            metrics.append(StepMetrics(out.new_zeros(()), 0, 0))
-            continue
-        rows = label[keep, j] - 1  # the target's distribution of t_{a+j} is stored at row a+j-1
-        teacher = [batch.hidden[rows]] if exact else [batch.topk_logprobs[rows], batch.topk_ids[rows],
-                                                      batch.tail_logprob[rows]]
-        kl, draft_top1, target_top1 = vocab_terms(frozen, head.lm_head_input(out[keep, j]), teacher, exact)
-        step_loss = weights.w_logits * kl.mean()
-        total = total + weights.decay ** (j - 1) * step_loss
-        metrics.append(StepMetrics(step_loss.detach(), int((draft_top1 == target_top1).sum()), count))
+    sums = [[batch.hidden.new_zeros(()), batch.hidden.new_zeros((), dtype=torch.long)] for _ in range(size)]
+    for a0, a1, d0, d1 in _chunks(counts, max(1, (weights.block_rows or BLOCK_ROWS) // size)):
+        # the chunk's context: its documents' rows from the first one's start to the last one's last anchor
+        first = a0 - sum(counts[:d0])
+        sub = [picks[d0][first:]] + picks[d0 + 1 : d1] + [picks[d1][: a1 - sum(counts[:d1])]] if d1 > d0 else [
+            picks[d0][first : first + a1 - a0]]
+        s, e = cu[d0], cu[d1] + int(sub[-1][-1])
+        plan = BlockAttention([c - s for c in cu[d0 : d1 + 1]], sub, size)
+        run = _through_wrapper_once(forward, head, frozen)
+        args = (batch.tokens[(starts + local)[a0:a1]], batch.aux[s:e], context_positions[s:e],
+                block_positions[a0:a1].reshape(-1), plan)
+        out = (checkpoint(run, *args, use_reentrant=False, preserve_rng_state=False) if torch.is_grad_enabled()
+               else run(*args)).view(a1 - a0, size, -1)
+        for j in range(1, size):
+            keep = counted[a0:a1, j]
+            rows = label[a0:a1][keep, j] - 1  # the target's distribution of t_{a+j} is stored at row a+j-1
+            if totals[j] == 0 or rows.numel() == 0:
+                continue
+            teacher = [batch.hidden[rows]] if exact else [batch.topk_logprobs[rows], batch.topk_ids[rows],
+                                                          batch.tail_logprob[rows]]
+            kl, draft_top1, target_top1 = vocab_terms(frozen, head.lm_head_input(out[keep, j]), teacher, exact)
+            total = total + weights.decay ** (j - 1) * weights.w_logits * kl.sum() / totals[j]
+            sums[j][0] = sums[j][0] + kl.detach().sum()
+            sums[j][1] = sums[j][1] + (draft_top1 == target_top1).sum()
+    metrics = [StepMetrics(weights.w_logits * sums[j][0] / max(1, totals[j]), int(sums[j][1]), totals[j])
+               for j in range(1, size)]
     return total, metrics

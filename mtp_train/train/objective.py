@@ -16,7 +16,7 @@ from mtp_train.errors import UserError
 from mtp_train.heads import DraftHead
 from mtp_train.heads.frozen import FrozenTarget
 from mtp_train.recipe import Recipe
-from mtp_train.train.blocks import block_loss
+from mtp_train.train.blocks import block_chunk_rows, block_loss
 from mtp_train.train.data import Batch, load_batch
 from mtp_train.train.loss import LossWeights, StepMetrics, head_loss, simulated_tau
 from mtp_train.train.ttt import ttt_loss
@@ -31,7 +31,8 @@ def loss_weights(recipe: Recipe) -> LossWeights:
         raise UserError("train.mask_gate: `input` gates a chain head's steps; a dflash block's predictions are gated "
                         "by their own labels: set train.mask_gate: label")
     return LossWeights(t.w_hidden, t.w_logits, steps, t.unroll_decay, t.teacher, 2 if t.mask_gate == "input" else 0,
-                       t.anchors or 0)
+                       t.anchors or 0, block_chunk_rows(t.batch_tokens, recipe.data.max_length, t.anchors,
+                                                        head.block_size))
 
 
 def heldout_batches(reader: Features, batch_tokens: int, aux: tuple[int, ...] = ()) -> Iterator[Batch]:

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from mtp_train.heads.attention import causal_ranges, range_attention
 from mtp_train.heads.eagle3 import Eagle3Head
 from mtp_train.heads.frozen import FrozenTarget
 from mtp_train.train.data import Batch
@@ -31,11 +32,13 @@ class TTTAttention:
     """The attention plan of one training-time-test forward, for one decoder layer, kept across its steps.
 
     Step 0 stores its keys and values; step j > 0 appends its own. A query at row i of a document attends to the
-    step-0 keys at rows ``<= i`` of that document and to the keys of steps ``1..j`` at row ``i``.
+    step-0 keys at rows ``<= i`` of that document and to the keys of steps ``1..j`` at row ``i``: a range of context
+    rows and j keys of its own, which ``range_attention`` takes a chunk of rows at a time, so that no score matrix
+    (nor a dense ``[T, steps * T]`` mask) is kept for backward.
     """
 
     def __init__(self, cu_seqlens: list[int]) -> None:
-        self.bounds = list(zip(cu_seqlens[:-1], cu_seqlens[1:]))
+        self.ranges = causal_ranges(cu_seqlens)
         self.keys: list[torch.Tensor] = []  # per step [T, Hkv, D]
         self.values: list[torch.Tensor] = []
 
@@ -43,20 +46,8 @@ class TTTAttention:
         """``q [T, Hq, D]``, ``k, v [T, Hkv, D]`` of the current step -> ``[T, Hq, D]``."""
         self.keys.append(k)
         self.values.append(v)
-        steps = len(self.keys)
-        gqa = k.shape[1] != q.shape[1]
-        parts = []
-        for s, e in self.bounds:
-            n = e - s
-            causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-            eye = torch.eye(n, dtype=torch.bool, device=q.device)
-            mask = torch.cat([causal] + [eye] * (steps - 1), dim=1)  # [n, steps * n]
-            keys = torch.cat([t[s:e] for t in self.keys])  # [steps * n, Hkv, D]
-            values = torch.cat([t[s:e] for t in self.values])
-            parts.append(F.scaled_dot_product_attention(
-                q[None, s:e].transpose(1, 2), keys[None].transpose(1, 2), values[None].transpose(1, 2),
-                attn_mask=mask, enable_gqa=gqa)[0].transpose(0, 1))
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
+        return range_attention(q, self.keys[0], self.values[0], self.ranges,
+                               list(zip(self.keys[1:], self.values[1:])))
 
 
 def restricted_kl(draft_logp: torch.Tensor, lp: torch.Tensor, draft_index: torch.Tensor,
