@@ -25,7 +25,6 @@ import torch
 
 from mtp_train.errors import UserError
 from mtp_train.hf_checkpoint import find_checkpoint
-from mtp_train.io import pause_point
 from mtp_train.lock import exclusive, rank_lock
 from mtp_train.models.config import ModelConfig
 from mtp_train.recipe import Recipe
@@ -35,7 +34,6 @@ from mtp_train.features.index import RankIndex, index_name, load_index
 from mtp_train.features.layers import eagle3_layers, stored_layers
 from mtp_train.features.space import bytes_per_token, require_space
 from mtp_train.features.tensors import HIDDEN_DTYPES
-from mtp_train.features.verify import check_shards
 from mtp_train.features.manifest import (
     MERGED,
     Manifest,
@@ -275,9 +273,8 @@ def report_plan(job: Job, plan: ShardPlan, manifest: Manifest, by_file: dict[str
 
 
 def finish(job: Job, manifest: Manifest, index: RankIndex, start: float) -> Manifest:
-    """Mark this rank complete, and merge the manifests once every rank is."""
-    if not manifest.online:
-        read_back(job, manifest)
+    """Mark this rank complete (its shards were read back as they landed: ``write_shards``), and merge the
+    manifests once every rank is."""
     manifest.complete = True
     save_rank(job.out, job.worker.rank, manifest, index)
     out, world = job.out, job.worker.world
@@ -289,16 +286,3 @@ def finish(job: Job, manifest: Manifest, index: RankIndex, start: float) -> Mani
     print(f"precompute: rank {job.worker.rank} {what}, {time.perf_counter() - start:.0f}s"
           + (f"; {out / MERGED} covers all {world} rank(s)" if merged else "; waiting for other ranks"))
     return manifest
-
-
-def read_back(job: Job, manifest: Manifest) -> None:
-    """Every shard this worker wrote, read back from disk: what it wrote is what it hashed."""
-    pause_point("readback", job.worker.rank)  # test hook: the shards are on disk, not yet read back
-    began = time.perf_counter()
-    problems = check_shards(job.out, manifest)
-    if problems:
-        raise UserError(f"rank {job.worker.rank}'s shards do not read back as written ({len(problems)} of "
-                        f"{len(manifest.shards)}): {problems[0]}; check the disk, then rerun precompute with "
-                        "--overwrite")
-    print(f"precompute: rank {job.worker.rank} read back its {len(manifest.shards)} shards: sha256 as written "
-          f"({time.perf_counter() - began:.0f}s)", file=sys.stderr)

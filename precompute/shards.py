@@ -14,8 +14,9 @@ from mtp_train.progress import Progress
 from mtp_train.data.dataset import Row
 from mtp_train.features.index import RankIndex, index_name
 from mtp_train.features.manifest import Manifest, ShardEntry, rank_manifest_name, save_manifest, shard_name
-from mtp_train.features.tensors import shard_tensors
+from mtp_train.features.tensors import hidden_storage, shard_tensors
 from mtp_train.features.writer import ShardWriter
+from mtp_train.precompute.readback import ShardReadBack
 
 if TYPE_CHECKING:
     from mtp_train.runtime.engine import Engine
@@ -72,9 +73,10 @@ def save_rank(out: Path, rank: int, manifest: Manifest, index: RankIndex) -> Non
 def write_shards(plan: ShardPlan, manifest: Manifest, index: RankIndex, engine: Engine, out: Path, rank: int,
                  write: bool) -> None:
     """Score every shard of ``plan`` that rank ``rank``'s ``manifest`` does not record yet; with ``write`` (under
-    tensor parallelism, the leader only) write each one to ``out`` and record it in the index and the manifest once
-    on disk."""
-    done = len(manifest.shards)
+    tensor parallelism, the leader only) write each one to ``out``, record it in the index and the manifest once
+    on disk, and read it back from disk beside the next forwards (``ShardReadBack``; the shards an earlier run
+    recorded too): a shard that does not read back as written stops the run, in one line."""
+    readback = ShardReadBack(out, manifest, index, rank) if write else None
 
     def record(shard: int, path: Path, sha: str, size: int) -> None:
         ids = plan.row_ids(shard)
@@ -82,20 +84,43 @@ def write_shards(plan: ShardPlan, manifest: Manifest, index: RankIndex, engine: 
         manifest.shards.append(ShardEntry(file=path.name, rank=rank, num_seqs=len(ids), num_tokens=plan.tokens(shard),
                                           sha256=sha, bytes=size))
         save_rank(out, rank, manifest, index)
+        readback.submit(len(manifest.shards) - 1)
 
-    writer = ShardWriter(record) if write else None
+    if readback is None:
+        _score_shards(plan, manifest, engine, out, rank, None, None)
+        return
+    for s in range(len(manifest.shards)):
+        readback.submit(s)
+    try:
+        _score_shards(plan, manifest, engine, out, rank, ShardWriter(record), readback)
+    except BaseException:
+        readback.close(check=False)
+        raise
+    readback.close()
+
+
+def _score_shards(plan: ShardPlan, manifest: Manifest, engine: Engine, out: Path, rank: int,
+                  writer: ShardWriter | None, readback: ShardReadBack | None) -> None:
+    """The forwards of the shards ``manifest`` does not record yet, each handed to ``writer`` (when there is one)
+    in the bytes it stores: ``score`` converts each batch's hidden states where they were computed."""
+    done = len(manifest.shards)
+    store = hidden_storage(manifest.hidden_dtype)
     stored = sum(plan.tokens(s) for s in range(done))  # tokens of the shards already written
-    progress = Progress("precompute", plan.total_tokens, "tokens", initial=stored, enabled=write)
+    progress = Progress("precompute", plan.total_tokens, "tokens", initial=stored, enabled=writer is not None)
     try:
         for s in range(done, len(plan)):
             crash_point("forward", s)
+            if readback is not None:
+                readback.check()
             seqs = plan.sequences(s)
             progress.note = f"shard {s + 1}/{len(plan)}"
             scored = engine.score([ids for ids, _ in seqs], layers=manifest.layers, topk=manifest.topk,
-                                  on_batch=lambda n: progress.update(n, tokens=n), keep=writer is not None)
+                                  on_batch=lambda n: progress.update(n, tokens=n), keep=writer is not None,
+                                  store_hidden=store)
             if writer is not None:
                 meta = {"format_version": "1", "rank": str(rank), "row_ids": json.dumps(plan.row_ids(s))}
-                writer.submit(s, out / shard_name(rank, s), shard_tensors(scored, seqs, manifest.topk, manifest.hidden_dtype), meta)
+                writer.submit(s, out / shard_name(rank, s), shard_tensors(scored, seqs, manifest.topk,
+                                                                          manifest.hidden_dtype), meta)
     finally:
         progress.close()
         if writer is not None:

@@ -83,3 +83,73 @@ def test_another_hidden_dtype_over_existing_features_is_refused_until_overwrite(
     assert_one_line_user_error(run_precompute_cli(recipe, "precompute.hidden_dtype=fp8"), "recipe field(s) hidden_dtype",
                                "--overwrite")
     assert json.loads((root / "manifest.json").read_text())["hidden_dtype"] == "bfloat16", "nothing was touched"
+
+
+class HiddenOnTheHost:
+    """Every tensor torch's ops make while active (``TorchDispatchMode``), noting the most rows of any float
+    ``[rows, L, H]`` one: a shard's hidden states in full precision, where they are more rows than one batch."""
+
+    def __init__(self, layers: int, hidden: int) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        shape, found = (layers, hidden), self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in out if isinstance(out, (tuple, list)) else (out,):
+                    if (isinstance(t, torch.Tensor) and t.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                            and t.dim() == 3 and tuple(t.shape[1:]) == shape):
+                        found.most_rows = max(found.most_rows, t.shape[0])
+                return out
+
+        self.mode, self.most_rows = Mode(), 0
+
+
+def test_fp8_precompute_never_holds_a_shards_float_hidden_and_stores_the_same_bytes(tmp_path):
+    """In fp8, each scored batch is quantized where it was computed, before it reaches the host: no float
+    ``[T, L, H]`` of a shard's T tokens is ever made (only of a batch's), and the shards hold the bytes that
+    quantizing the whole shard's float32 hidden states gives (same e4m3 values, same scales)."""
+    from safetensors.torch import load_file
+
+    from mtp_train.features.reader import FeatureReader
+    from mtp_train.features.tensors import stored_hidden
+    from mtp_train.precompute.run import run_precompute
+    from mtp_train.recipe import load_recipe
+    from mtp_train.runtime.engine import Engine
+
+    data = write_jsonl(tmp_path / "sgd.jsonl", sgd_rows(12))
+    recipe = load_recipe(make_recipe(tmp_path, data, precompute={"hidden_dtype": "fp8", "batch_tokens": 256,
+                                                                 "shard_tokens": 1200}))
+    hidden_size = json.loads((recipe.target.path / "config.json").read_text())["hidden_size"]
+    watch = HiddenOnTheHost(2, hidden_size)
+    with watch.mode:
+        manifest = run_precompute(recipe)
+    assert 0 < watch.most_rows <= 256, f"a float hidden of {watch.most_rows} rows on the host (batches: 256 tokens)"
+    reader = FeatureReader(recipe.features_dir)
+    engine = Engine.from_pretrained(recipe.target.path, max_batch_tokens=256)
+    assert max(s.num_tokens for s in manifest.shards) > 256, "each shard spans several batches"
+    for entry in manifest.shards:
+        seqs = [reader.load(r)["input_ids"].tolist() for r in reader.sequences if r.shard == entry.file]
+        full = engine.score(seqs, layers=manifest.layers, topk=manifest.topk).hidden  # float32 [T, L, H]
+        before = stored_hidden(full, manifest.hidden_dtype)  # what quantizing the whole shard on the host stored
+        stored = load_file(recipe.features_dir / entry.file)
+        for name in ("hidden", "hidden_scale"):
+            assert torch.equal(stored[name].view(torch.uint8), before[name].view(torch.uint8)), (entry.file, name)
+
+
+def test_the_fast_dequantizer_gives_the_tables_float32_bits_for_every_e4m3_value_and_scale():
+    """All 256 e4m3 bit patterns (NaN and -0 included) times scales from subnormal to infinite, in rows of a
+    strided view as the loader passes them: the same float32 bits as the 256-entry table times the scale."""
+    from mtp_train.features.tensors import FP8_VALUES
+
+    scales = np.asarray([1.0, 2.0**-149, 1e-30, 0.37, 255.9, 256.0, 1e5, 3e38, np.inf, np.nan, -2.5, 0.0],
+                        np.float32)
+    values = np.tile(np.arange(256, dtype=np.uint8), (len(scales), 3, 1))  # [S, 3 layers, 256]
+    for layer in (slice(None), -1):
+        v, s = values[:, layer], np.broadcast_to(scales[:, None], (len(scales), 3))[:, layer]
+        with np.errstate(over="ignore", invalid="ignore"):
+            want = FP8_VALUES[v] * s[..., None]
+        got = dequantize_fp8_numpy(v, np.ascontiguousarray(s))
+        assert got.dtype == np.float32 and got.shape == want.shape
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))

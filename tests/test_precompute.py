@@ -329,16 +329,56 @@ def test_tensor_parallel_worker_writes_the_same_features(reference, tmp_path):
         assert torch.allclose(ours[row_id]["hidden"].float(), ref[row_id]["hidden"].float(), atol=2e-2, rtol=1e-2)
 
 
+def test_each_shard_is_read_back_while_later_shards_are_scored(tmp_path, monkeypatch):
+    """A worker reads each shard back from disk as it lands, beside the forwards of the next ones, not all of them
+    after its last forward: shard s - 2 has been hashed from disk by the time shard s is scored."""
+    import threading
+
+    from mtp_train.features import verify
+    from mtp_train.precompute.run import run_precompute
+    from mtp_train.runtime.engine import Engine
+
+    recipe = load_recipe(make_recipe(tmp_path, write_jsonl(tmp_path / "d.jsonl", sgd_rows(16)),
+                                     precompute={"shard_tokens": 400}))
+    hashed: list[str] = []
+    landed = threading.Condition()
+    sha256 = verify._sha256
+
+    def hash_file(path):
+        digest = sha256(path)
+        with landed:
+            hashed.append(path.name)
+            landed.notify_all()
+        return digest
+
+    score, calls = Engine.score, []
+
+    def score_after_read_back(engine, sequences, *args, **kwargs):
+        s = len(calls)
+        calls.append(s)
+        if s >= 2:
+            want = f"shard-00000-{s - 2:05d}.safetensors"
+            with landed:
+                assert landed.wait_for(lambda: want in hashed, timeout=20), f"{want} not read back before shard {s}"
+        return score(engine, sequences, *args, **kwargs)
+
+    monkeypatch.setattr(verify, "_sha256", hash_file)
+    monkeypatch.setattr(Engine, "score", score_after_read_back)
+    manifest = run_precompute(recipe)
+    assert len(manifest.shards) >= 4 and len(calls) == len(manifest.shards)
+    assert sorted(hashed) == sorted(s.file for s in manifest.shards), "each shard is read back once"
+
+
 def test_a_worker_reads_back_its_shards_before_it_is_complete(tmp_path):
-    """A shard damaged on disk after it was written (while the run is paused at the read-back, the pause hook) is
-    found by the worker that wrote it: one line, exit 2, and its manifest is not marked complete."""
+    """A shard damaged on disk after it was written (while the run is paused before reading it back, the pause
+    hook) is found by the worker that wrote it: one line, exit 2, and its manifest is not marked complete."""
     recipe = make_recipe(tmp_path, write_jsonl(tmp_path / "d.jsonl", sgd_rows(12)))
     env = pause_env("readback", 0, tmp_path / "paused")
     proc = subprocess.Popen([sys.executable, "-m", "mtp_train.cli", "precompute", str(recipe)], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     paused = paused_processes(tmp_path / "paused", 1, proc)
     features = tmp_path / "run" / "features"
-    shard = sorted(features.glob("shard-*.safetensors"))[-1]
+    shard = features / "shard-00000-00000.safetensors"  # the pause is before shard 0 is read back
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF  # one bit pattern flipped in the last tensor's data: same size, a valid header
     shard.write_bytes(bytes(data))

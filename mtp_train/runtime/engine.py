@@ -80,11 +80,13 @@ class ScoreOutput:
     """Teacher-forced features of packed sequences (``T`` tokens, ``S`` sequences, ``L`` layers), on the CPU.
 
     - ``cu_seqlens [S+1]`` int64 offsets of the sequences;
-    - ``hidden [T, L, H]``: outputs of the requested layers; the last layer is taken **before** the final norm;
+    - ``hidden [T, L, H]``: outputs of the requested layers; the last layer is taken **before** the final norm (in
+      the model's dtype, or as ``score``'s ``store_hidden`` made each batch of them: bf16, or e4m3 values);
     - ``topk_logprobs [T, K]`` float32 and ``topk_ids [T, K]`` int64: the target's top-K next-token log-probs;
     - ``logsumexp [T]`` float32: log-sum-exp of the full logits, so the probabilities are recoverable;
     - ``tail_logprob [T]`` float32: log of the probability mass outside the top-K, computed exactly from the
-      full logits (``-inf`` where K covers the vocabulary; ``0`` when K = 0).
+      full logits (``-inf`` where K covers the vocabulary; ``0`` when K = 0);
+    - ``hidden_scale [T, L]`` float32: each row's scale where ``store_hidden`` gave one (FP8), else None.
     """
 
     cu_seqlens: torch.Tensor
@@ -94,6 +96,7 @@ class ScoreOutput:
     logsumexp: torch.Tensor
     tail_logprob: torch.Tensor
     layers: list[int] = field(default_factory=list)
+    hidden_scale: torch.Tensor | None = None
 
 
 def default_stop_ids(root: Path) -> tuple[int, ...]:
@@ -267,7 +270,9 @@ class Engine:
 
     @torch.inference_mode()
     def score(self, sequences: list[list[int]], layers: list[int] = (-1,), topk: int = 0,
-              on_batch: Callable[[int], None] | None = None, keep: bool = True) -> ScoreOutput | None:
+              on_batch: Callable[[int], None] | None = None, keep: bool = True,
+              store_hidden: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]] | None = None
+              ) -> ScoreOutput | None:
         """Teacher-forced forward over ``sequences``, packed into token-budget batches.
 
         ``layers`` are decoder layer ids (negative counts from the end). Row t of the outputs
@@ -275,45 +280,60 @@ class Engine:
         ``on_batch`` is called with the number of tokens of each batch once it is scored (progress).
         ``keep=False``: every batch is scored (a tensor-parallel rank takes part in each collective, batched as the
         leader batches) but nothing is copied to the host, and None is returned: the ranks that write no shard.
+        ``store_hidden``: what each batch's hidden states ``[t, L, H]`` become where they were computed, before the
+        copy: the values to keep (a features shard's bf16 or e4m3) and each row's float32 scale ``[t, L]`` or None;
+        so that the host never holds the whole call's hidden states in more bytes than those.
         """
         with stored_layout():  # torch's ops alone: features never depend on this process's timed copies
-            return self._score(sequences, layers, topk, on_batch, keep)
+            return self._score(sequences, layers, topk, on_batch, keep, store_hidden)
 
     def _score(self, sequences: list[list[int]], layers: list[int], topk: int,
-               on_batch: Callable[[int], None] | None, keep: bool) -> ScoreOutput | None:
+               on_batch: Callable[[int], None] | None, keep: bool, store_hidden: Callable | None
+               ) -> ScoreOutput | None:
         n_layers = self.cfg.num_layers
         layer_ids = [lid % n_layers for lid in layers]
         for lid in layers:
             if not -n_layers <= lid < n_layers:
                 raise ValueError(f"layer {lid} is out of range for a {n_layers}-layer model")
-        hidden, lp, ids, lse, tail = [], [], [], [], []
-        start = 0
+        total = sum(len(s) for s in sequences)
+        host: list[torch.Tensor | None] | None = None  # hidden, scale, lp, ids, lse, tail: every row of the call
+        start = row = 0
         while start < len(sequences):
-            stop, total = start, 0
-            while stop < len(sequences) and (stop == start or total + len(sequences[stop]) <= self.max_batch_tokens):
-                total += len(sequences[stop])
+            stop, tokens = start, 0
+            while stop < len(sequences) and (stop == start or tokens + len(sequences[stop]) <= self.max_batch_tokens):
+                tokens += len(sequences[stop])
                 stop += 1
-            try:
-                out = self._score_batch(sequences[start:stop], layer_ids, topk)
-            except OutOfPages:
-                if stop - start == 1:
-                    raise UserError(
-                        f"sequence {start} ({len(sequences[start])} tokens) does not fit the KV cache; raise its budget"
-                    ) from None
-                stop = start + (stop - start) // 2  # fewer sequences per batch, then retry
-                continue
-            for acc, part in zip((hidden, lp, ids, lse, tail), out if keep else ()):
-                acc.append(part.cpu())  # a shard's features gather in host memory, not on the GPU
+            while True:
+                try:
+                    out = self._score_batch(sequences[start:stop], layer_ids, topk)
+                    break
+                except OutOfPages:
+                    if stop - start == 1:
+                        raise UserError(f"sequence {start} ({len(sequences[start])} tokens) does not fit the KV "
+                                        "cache; raise its budget") from None
+                    stop = start + (stop - start) // 2  # fewer sequences per batch, then retry
+                    tokens = sum(len(s) for s in sequences[start:stop])
+            if keep:
+                hidden, scale = store_hidden(out[0]) if store_hidden is not None else (out[0], None)
+                parts = (hidden, scale, *out[1:])
+                # each batch goes straight into its rows of one host buffer per output: no list of parts to join
+                host = host or [None if p is None else torch.empty((total, *p.shape[1:]), dtype=p.dtype) for p in parts]
+                for buf, part in zip(host, parts):
+                    if buf is not None:
+                        buf[row : row + part.shape[0]].copy_(part)
+                row += tokens
             if on_batch is not None:
-                on_batch(sum(len(s) for s in sequences[start:stop]))
+                on_batch(tokens)
             start = stop
         if not keep:
             return None
+        if host is None:
+            raise ValueError("score: no sequences to score")
         lens = torch.tensor([len(s) for s in sequences], dtype=torch.int64)
         cu = torch.zeros(len(sequences) + 1, dtype=torch.int64)
         cu[1:] = torch.cumsum(lens, 0)
-        return ScoreOutput(cu, torch.cat(hidden), torch.cat(lp), torch.cat(ids), torch.cat(lse), torch.cat(tail),
-                           layer_ids)
+        hidden, scale, lp, ids, lse, tail = host
+        return ScoreOutput(cu, hidden, lp, ids, lse, tail, layer_ids, scale)
 
     def _score_batch(
         self, batch: list[list[int]], layer_ids: list[int], topk: int
