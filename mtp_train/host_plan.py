@@ -6,10 +6,13 @@ or eval task, a training rank) the plan counts an allowance for the CUDA context
 writing thread beside them. On top come the stage's own bytes:
 
 - **precompute**: the dataset's rows as Python objects (every task reads the data: ``ROWS_PER_FILE_BYTE`` times the
-  files' size), and the shards in flight (the one being scored, the writer's queue, the one being written);
+  files' size), and the shards in flight (``SHARDS_IN_FLIGHT``), each in the bytes it stores: ``Engine.score``
+  stores each batch's hidden states (bf16, or FP8) before they reach the host;
 - **train**: on each rank the frozen embedding and lm_head in fp32 (loaded on the host first) and the batches in
-  flight (the one training, the one the loading thread reads ahead, a validation batch); online, also the rows
-  and the scored shards it holds (a window per micro-batch lane and TP rank, plus ``precompute.online_cache_gb``);
+  flight (the one training, the one the loading thread reads ahead, a validation batch); offline, the page cache
+  of the shard files its loader reads ahead (``mtp_train.train.data.read_ahead_bytes``: where SLURM caps a job's
+  memory, page cache counts against the cap); online, the scored shards it holds (a window per micro-batch lane
+  and TP rank, plus ``precompute.online_cache_gb``; a rank converts only the rows of its own windows);
 - **eval**: the rows again (the held-out prompts are read from the data), and a small prompt set.
 """
 
@@ -21,7 +24,7 @@ from dataclasses import dataclass
 from mtp_train.features.layers import stored_layers
 from mtp_train.features.space import bytes_per_token
 from mtp_train.head_memory import batch_bytes, frozen_bytes
-from mtp_train.train.data import SHARD_WINDOW
+from mtp_train.train.data import SHARD_WINDOW, read_ahead_bytes
 from mtp_train.models.config import ModelConfig
 from mtp_train.recipe import Recipe
 
@@ -29,7 +32,9 @@ GIB = 2**30
 PROCESS_BYTES = 6 * GIB  # CUDA context and caching host allocator, torch, NCCL buffers, Python
 THREADS_PER_GPU = 8
 ROWS_PER_FILE_BYTE = 10  # a chat dataset as Python objects, over its compressed (gzip) or plain size on disk
-SHARDS_IN_FLIGHT = 4  # scored, queued twice (the writer's queue_depth), being written
+# the one being scored, two in the writer's queue (its queue_depth), and the one being written, held three times at
+# its peak (its tensors, safetensors' buffer and the file's bytes made from it)
+SHARDS_IN_FLIGHT = 6
 
 
 @dataclass(frozen=True)
@@ -52,7 +57,8 @@ def precompute_host(recipe: Recipe, cfg: ModelConfig) -> HostPlan:
     tp = recipe.target.tp
     p = recipe.precompute
     per_token = bytes_per_token(len(stored_layers(recipe, cfg)), cfg.hidden_size, p.topk, p.hidden_dtype)
-    shards = SHARDS_IN_FLIGHT * recipe.precompute.shard_tokens * per_token
+    # and the scored shard's top-K as score() returns it (float32 log-probs, int64 ids) beside its stored copy
+    shards = (SHARDS_IN_FLIGHT * per_token + 12 * p.topk) * p.shard_tokens
     return HostPlan(tp * (_threads(recipe) + 1), tp * PROCESS_BYTES + _rows_bytes(recipe) + shards)
 
 
@@ -60,10 +66,12 @@ def train_host(recipe: Recipe, cfg: ModelConfig, procs: int) -> HostPlan:
     batch = batch_bytes(recipe, cfg, len(stored_layers(recipe, cfg)))
     per_rank = PROCESS_BYTES + frozen_bytes(cfg) + 3 * batch
     p = recipe.precompute
-    if p.mode == "online":  # the rows, and the scored shards: each lane's window (of every rank of a TP group)
-        per_token = bytes_per_token(len(stored_layers(recipe, cfg)), cfg.hidden_size, p.topk, p.hidden_dtype)
-        windows = recipe.train.grad_accum * recipe.target.tp * SHARD_WINDOW * p.shard_tokens * per_token
-        per_rank += _rows_bytes(recipe) + windows + int(p.online_cache_gb * GIB)
+    shard = p.shard_tokens * bytes_per_token(len(stored_layers(recipe, cfg)), cfg.hidden_size, p.topk, p.hidden_dtype)
+    if p.mode == "online":  # the scored shards: each lane's window (of every rank of a TP group), and the cache
+        windows = recipe.train.grad_accum * recipe.target.tp * SHARD_WINDOW * shard
+        per_rank += windows + int(p.online_cache_gb * GIB)
+    else:  # the shard files asked to be read ahead, in the page cache
+        per_rank += read_ahead_bytes(shard, recipe.train.grad_accum)
     return HostPlan(procs * (_threads(recipe) + 1), procs * per_rank)
 
 

@@ -60,6 +60,7 @@ class FeatureReader:
         self._ahead: set[str] = set()  # the shards the last read_ahead asked for
         self._ahead_pool: ThreadPoolExecutor | None = None
         self._pending: dict[str, Future] = {}  # shard -> its read ahead
+        self.shard_bytes: dict[str, int] = {e.file: e.bytes for e in self.manifest.shards}  # (read ahead: page cache)
         groups = by_rank(self.manifest)
         indexes = load_indexes(self.root, self.manifest)
         entries = [e for shards in groups.values() for e in shards]

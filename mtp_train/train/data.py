@@ -51,9 +51,21 @@ class Batch:
 # Shards per shuffle window. Each epoch visits the shards in a seeded order, W at a time; a window's sequences are
 # shuffled among themselves and cut into batches, so a batch draws on at most W shard files and the loader can read
 # each window's files whole and in order, one window ahead (``load_batch``), instead of scattered rows from every
-# shard. Memory: about two windows of shard files in the page cache. A dataset with fewer shards than W is one window
-# per epoch, a global shuffle. With several ranks, each rank takes its own windows (``plan_batches``).
+# shard. A dataset with fewer shards than W is one window per epoch, a global shuffle. With several ranks, each rank
+# takes its own windows (``plan_batches``).
 SHARD_WINDOW = 4
+# The most page cache one training rank asks to be read ahead at once: whole shard files, in the order a batch names
+# them (its window's, then the next window's), as many as fit. Where SLURM caps a job's memory the page cache counts
+# against the cap, so the train job's ``--mem`` counts this (``mtp_train.host_plan``), else the kernel would evict
+# pages read ahead before their rows are read. Shards larger than this (1M tokens of a 70B target: 16 GiB) are not
+# read ahead: their sequences are reads of tens of MB each, which the disk serves at its sequential rate anyway.
+READ_AHEAD_BYTES = 8 * 2**30
+
+
+def read_ahead_bytes(shard_bytes: int, lanes: int) -> int:
+    """The most bytes one rank's loader asks the page cache for at once (``READ_AHEAD_BYTES``' whole shards), for
+    shards of at most ``shard_bytes`` and ``lanes`` micro-batch lanes (each naming its window and the next)."""
+    return min(2 * SHARD_WINDOW * lanes, READ_AHEAD_BYTES // max(shard_bytes, 1)) * shard_bytes
 
 
 def plan_windows(refs: SequenceTable, seed: int, epoch: int) -> list[list[str]]:
@@ -198,12 +210,20 @@ _readahead: dict[tuple[str, int, str, int, int], tuple[str, ...]] = {}
 
 def read_ahead(reader: Features, refs: list[SequenceRef] | SequenceTable) -> None:
     """If ``refs`` is a batch of the latest ``plan_batches``, hand its window's and the next window's shard files
-    to ``reader.read_ahead`` (read whole in the background; a no-op for files already asked for). Other batches
-    (validation's) ask for nothing."""
+    to ``reader.read_ahead`` (read whole in the background; a no-op for files already asked for), as many of them,
+    in that order, as fit ``READ_AHEAD_BYTES`` together (``reader.shard_bytes``). Other batches (validation's) ask
+    for nothing."""
     ahead = (_readahead.get((refs[0].shard, refs[0].start, refs[-1].shard, refs[-1].start, len(refs)))
              if len(refs) else None)
-    if ahead is not None:
-        reader.read_ahead(ahead)
+    if ahead is None:
+        return
+    sizes, total, fits = reader.shard_bytes, 0, 0
+    for name in ahead:
+        total += sizes[name]
+        if total > READ_AHEAD_BYTES:
+            break
+        fits += 1
+    reader.read_ahead(ahead[:fits])
 
 
 def load_batch(reader: Features, refs: list[SequenceRef] | SequenceTable, batch_tokens: int, dtype: torch.dtype,
@@ -237,8 +257,12 @@ def load_batch(reader: Features, refs: list[SequenceRef] | SequenceTable, batch_
         src = src if layers is None else src[:, layers]
         if stored == FP8:  # e4m3 bits times their rows' scales (float32), then the training dtype
             scale = raw["hidden_scale"].view(np.float32).reshape(n, -1)
-            values = dequantize_fp8_numpy(src, scale if layers is None else scale[:, layers])
-            return torch.from_numpy(values) if to == torch.float32 else _convert(torch.float32, values, to)
+            scale = scale if layers is None else scale[:, layers]
+            if to != torch.float32:
+                return _convert(torch.float32, dequantize_fp8_numpy(src, scale), to)
+            out = torch.empty(src.shape, dtype=torch.float32)
+            dequantize_fp8_numpy(src, scale, out=out.numpy())
+            return out
         return _convert(stored, src, to)
 
     return Batch(
