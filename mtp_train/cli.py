@@ -115,7 +115,8 @@ def _add_slurm_parser(sub) -> None:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    from mtp_train.pipeline import STAGE_BY_NAME, STAGES, check_data, check_inputs, memory_text, plan_text
+    from mtp_train.pipeline import (STAGE_BY_NAME, STAGES, check_data, check_inputs, check_memory, memory_text,
+                                    plan_text)
     from mtp_train.recipe import load_recipe, recipe_to_yaml
 
     if args.command == "verify":
@@ -124,10 +125,13 @@ def _dispatch(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
     check_inputs(recipe)
     if args.command == "slurm":
+        if not args.cpu:  # the jobs would refuse at their start on the GPUs: refuse before queueing them
+            check_memory(recipe, STAGES)
         return _slurm(args, recipe)
     stages = STAGES if args.command == "run" else (STAGE_BY_NAME[args.command],)
     if args.dry_run:
         disk = check_data(recipe, stages)
+        check_memory(recipe, stages)
         print("# resolved recipe")
         print(recipe_to_yaml(recipe), end="")
         print(plan_text(recipe, stages))

@@ -1,37 +1,44 @@
-"""What one rank holds on its GPU in each stage, computed from the target's config and the recipe (``--dry-run``).
+"""What one rank holds on its GPU in each stage, computed from the target's config and the recipe (``--dry-run``,
+which refuses a plan that does not fit, as training on a GPU does at its start: ``check_fits``).
 
 - **precompute** (the runtime): this rank's share of the target's weights (for DeepSeek: MLA's latent
   projections replicated and its heads split; every routed expert on every rank, sliced by channel; the router in
   float32); activations of a ``precompute.batch_tokens`` scoring batch (estimated from the shapes: the residual
   stream and the captured layers, the attention's projections, the MLP's or the experts', and the lm_head's chunk
-  of logits); the KV cache, which takes what ``target.gpu_memory_fraction`` leaves (or ``target.kv_cache_gb``),
-  told as token slots of the runtime's own pool (for MLA one latent per token and layer, on every rank).
-- **train**: the frozen embedding, final norm and lm_head (fp32); the head's weights and gradients (fp32) and
-  AdamW's two moments, partitioned over the ranks under DeepSpeed ZeRO; the batch's features; the activations
-  that autograd keeps for ``train.unroll`` steps over ``train.batch_tokens`` tokens, **measured** on the meta
-  device with the attention kernel a GPU selects (``mtp_train.head_memory.attention_kernel``: flash keeps no
-  scores, the math kernel keeps each document's); and the loss: the labelled rows it gathers and keeps until
-  backward, and the chunked vocabulary terms' bound. Online (``precompute.mode: online``) the train stage also
-  holds the precompute stage's weights and scoring activations, and a KV cache for one scoring forward; precompute
-  then holds nothing on the GPU unless it regenerates answers.
-- **eval**: the precompute terms, the drafts' weights (whole, on the leader), and one KV budget that the target's
-  pool shares with the drafts' pools (``mtp_train.eval.loading.kv_share``).
+  of logits); the buffers the runtime reserves (``mtp_train.runtime.reserve``: FlashInfer's workspaces where its
+  backend runs, NCCL's under TP); the KV cache, which takes what ``target.gpu_memory_fraction`` leaves beside them
+  (or ``target.kv_cache_gb``), told as token slots of the runtime's own pool (for MLA one latent per token and
+  layer, on every rank).
+- **train**: the frozen embedding, final norm and lm_head (fp32), and the lm_head's bf16 copy under bf16; the head's
+  weights and gradients (fp32) and AdamW's two moments, partitioned over the ranks under DeepSpeed ZeRO; the batch's
+  features; the activations that autograd keeps for ``train.unroll`` steps over ``train.batch_tokens`` tokens (a
+  dflash head: one checkpointed chunk of blocks), **measured** on the meta device with the attention kernel the
+  trainer runs on a GPU (``mtp_train.head_memory.attention_kernel``); and the loss: the labelled rows it gathers and
+  keeps until backward, and the chunked vocabulary terms' bound. Online (``precompute.mode: online``) the train
+  stage also holds the precompute stage's weights, scoring activations and buffers, and a KV cache for one scoring
+  forward; precompute then holds nothing on the GPU unless it regenerates answers.
+- **eval**: the precompute terms, the drafts' weights (whole, on the leader), the buffers of the engine's and each
+  drafter's attention backend, and one KV budget that the target's pool shares with the drafts' pools
+  (``mtp_train.eval.loading.kv_share``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
 
-from mtp_train.head_memory import (attention_kernel, batch_bytes, frozen_bytes, head_parameter_count, loss_copy_bytes,
-                                   train_activation_bytes)
+from mtp_train.errors import UserError
+from mtp_train.head_memory import (attention_kernel, batch_bytes, dflash_blocks, frozen_bytes, head_parameter_count,
+                                   loss_copy_bytes, train_activation_bytes)
 from mtp_train.heads.base import AUX_KINDS
 from mtp_train.models.config import ModelConfig
 from mtp_train.recipe import Recipe
 from mtp_train.runtime.engine import LOGITS_CHUNK
 from mtp_train.runtime.kv_cache import KVPool
+from mtp_train.runtime.reserve import reserved_bytes
 from mtp_train.train.loss import CHUNK_BYTES
 from mtp_train.features.layers import stored_layers
 
@@ -201,76 +208,168 @@ def eval_heads(recipe: Recipe) -> list[str]:
     return own + [k for k in recipe.eval.compare if k not in ("bigram", "target_mtp")]
 
 
+def flashinfer_backends(recipe: Recipe, cfg: ModelConfig, engines: int) -> int:
+    """How many of ``engines`` attention backends are FlashInfer's on a GPU, each with its workspace: all where
+    ``target.attention_backend`` is auto or flashinfer, the target is half (auto: bf16 on CUDA) and has no MLA
+    (``mtp_train.runtime.attention.backend_name``: FlashInfer has no float32 kernels and no MLA); else none."""
+    t = recipe.target
+    return engines if t.attention_backend != "torch" and t.dtype != "float32" and cfg.mla is None else 0
+
+
+def _kv_budget(recipe: Recipe, gpu_bytes: int, held: int) -> int:
+    """The KV cache's bytes: ``target.kv_cache_gb``, or what ``target.gpu_memory_fraction`` of the GPU leaves beside
+    ``held`` (the weights, and the buffers the runtime reserves before it sizes its cache)."""
+    t = recipe.target
+    return int(t.kv_cache_gb * GIB) if t.kv_cache_gb is not None else max(0, int(t.gpu_memory_fraction * gpu_bytes) - held)
+
+
 def eval_plan(cfg: ModelConfig, recipe: Recipe, gpu_bytes: int, scoring: int) -> StagePlan:
     """The eval's bytes on the leader rank: the target's share of the weights, the drafts' weights (whole: the
-    leader holds them), activations, and one KV budget that the target's pool shares with the drafts' pools (each
-    holds a slot for every slot of the target's; ``mtp_train.eval.loading.kv_share``)."""
+    leader holds them), activations, the buffers of one attention backend for the engine and one per drafter, and
+    one KV budget that the target's pool shares with the drafts' pools (each holds a slot for every slot of the
+    target's; ``mtp_train.eval.loading.kv_share``)."""
     t = recipe.target
     itemsize = _dtype_bytes(t.dtype)
     weights = target_weight_bytes(cfg, t.tp, itemsize)
     kinds = eval_heads(recipe)
     heads = sum(head_parameter_count(recipe, cfg, kind) for kind in kinds) * itemsize
-    kv = int(t.kv_cache_gb * GIB) if t.kv_cache_gb is not None else max(
-        0, int(t.gpu_memory_fraction * gpu_bytes) - weights - heads)
+    drafters = len(kinds) + (recipe.eval.draft_model is not None)
+    buffers = reserved_bytes(flashinfer_backends(recipe, cfg, 1 + drafters), t.tp)
+    kv = _kv_budget(recipe, gpu_bytes, weights + heads + buffers)
     target_slot = kv_bytes_per_token(cfg, t.tp, itemsize)
     draft_slots = sum(kv_bytes_per_token(dataclasses.replace(cfg, num_layers=recipe.head.num_layers), 1, itemsize)
                       for kind in kinds)
     slots = kv // (target_slot + draft_slots)
     note = (f"KV {slots:,} token slots, shared by the target and {len(kinds)} head(s) ({', '.join(kinds) or 'none'}): "
             f"{slots // max(1, recipe.eval.batch_size):,} per sequence of a batch of {recipe.eval.batch_size}")
-    return StagePlan("eval", {"weights": weights, "heads": heads, "activations": scoring, "KV": kv}, gpu_bytes, note)
+    parts = {"weights": weights, "heads": heads, "activations": scoring} | _nonzero(buffers=buffers) | {"KV": kv}
+    return StagePlan("eval", parts, gpu_bytes, note)
 
 
-def memory_plan(cfg: ModelConfig, recipe: Recipe, gpu_bytes: int = H100_BYTES) -> list[StagePlan]:
-    """Each stage's bytes per rank on a GPU of ``gpu_bytes`` (an H100 80 GB by default)."""
+def _nonzero(**parts: int) -> dict[str, int]:
+    return {name: size for name, size in parts.items() if size}
+
+
+def _precompute_plan(cfg: ModelConfig, recipe: Recipe, gpu_bytes: int, scoring: int) -> StagePlan:
+    """The runtime scoring (and regenerating): the target's share of the weights, a scoring batch's activations,
+    one attention backend's buffers (and NCCL's under TP), and the KV cache in what is left."""
     t = recipe.target
     itemsize = _dtype_bytes(t.dtype)
     weights = target_weight_bytes(cfg, t.tp, itemsize)
-    scoring = scoring_activation_bytes(cfg, recipe, itemsize)
-    kv = int(t.kv_cache_gb * GIB) if t.kv_cache_gb is not None else max(0, int(t.gpu_memory_fraction * gpu_bytes) - weights)
+    buffers = reserved_bytes(flashinfer_backends(recipe, cfg, 1), t.tp)
+    kv = _kv_budget(recipe, gpu_bytes, weights + buffers)
     per_token = kv_bytes_per_token(cfg, t.tp, itemsize)
     slots = kv // per_token
     longest = recipe.data.max_length + (recipe.data.sampling.max_new_tokens if recipe.data.regenerate else 0)
     latent = (f" of {per_token:,} B (MLA latent {cfg.mla.kv_lora_rank}+{cfg.mla.qk_rope_head_dim} x "
               f"{cfg.num_layers} layers, on every rank)" if cfg.mla is not None else "")
-    runtime_note = (f"KV {slots:,} token slots{latent}: a {recipe.precompute.batch_tokens:,}-token scoring batch "
-                    f"{'fits' if slots >= recipe.precompute.batch_tokens else 'DOES NOT FIT'}, "
-                    f"{slots // max(1, longest)} sequences of {longest:,} tokens at once")
-    runtime = StagePlan("precompute", {"weights": weights, "activations": scoring, "KV": kv}, gpu_bytes, runtime_note)
+    note = (f"KV {slots:,} token slots{latent}: a {recipe.precompute.batch_tokens:,}-token scoring batch "
+            f"{'fits' if slots >= recipe.precompute.batch_tokens else 'DOES NOT FIT'}, "
+            f"{slots // max(1, longest)} sequences of {longest:,} tokens at once")
+    parts = {"weights": weights, "activations": scoring} | _nonzero(buffers=buffers) | {"KV": kv}
+    return StagePlan("precompute", parts, gpu_bytes, note)
 
-    tr = recipe.train
+
+def _train_plan(cfg: ModelConfig, recipe: Recipe, gpu_bytes: int, scoring: int) -> StagePlan:
+    """The trainer's bytes per rank (the module docstring's **train**); online, the target beside the head."""
+    t, tr = recipe.target, recipe.train
     head_params = head_parameter_count(recipe, cfg)
     kernel = attention_kernel(recipe, cfg)
     scores = (f"; the {kernel} attention kernel" + (f"'s scores of documents up to "
               f"{min(recipe.data.max_length, tr.batch_tokens):,} tokens" if kernel == "math" else ""))
     zero = TRAIN_RANKS if tr.engine == "deepspeed" else 1
     grads = head_params * 4 // (zero if tr.engine == "deepspeed" and tr.zero_stage == 2 else 1)
-    frozen = frozen_bytes(cfg)
+    bf16 = tr.mixed_precision in ("auto", "bf16")  # auto: bf16 on a GPU; the trainer's autocast is bf16's only
+    frozen = frozen_bytes(cfg, half_lm_head=bf16)
     features = batch_bytes(recipe, cfg, 4 if recipe.head.kind in AUX_KINDS else 1)  # last layer (+ aux)
-    activations = train_activation_bytes(recipe, cfg)
-    dflash = recipe.head.kind == "dflash"
-    steps = f"blocks of {recipe.head.block_size} at every anchor" if dflash else f"{tr.unroll} unrolled steps"
     parts = {"frozen": frozen, "head+grads+AdamW": head_params * 4 + grads + head_params * 8 // zero,
-             "features": features, "activations": activations, "loss": loss_copy_bytes(recipe, cfg) + 4 * CHUNK_BYTES}
-    note = (f"{steps} x {tr.batch_tokens:,} tokens (fp32 activations"
-            f"{'; bf16 autocast keeps less' if tr.mixed_precision != 'no' else ''}{scores}), AdamW over {zero} rank(s)")
-    online = recipe.precompute.mode == "online"
-    if online:  # the target beside the head, its KV sized for one scoring forward
-        online_kv = 2 * recipe.precompute.batch_tokens * per_token
-        parts |= {"target": weights, "scoring": scoring, "KV": online_kv}
+             "features": features, "activations": train_activation_bytes(recipe, cfg),
+             "loss": loss_copy_bytes(recipe, cfg) + 4 * CHUNK_BYTES}
+    note = (f"{_steps(recipe)} (fp32 activations{'; bf16 autocast keeps less' if tr.mixed_precision != 'no' else ''}"
+            f"{scores}), AdamW over {zero} rank(s){'; the lm_head also in bf16' if bf16 else ''}")
+    if recipe.precompute.mode == "online":  # the target beside the head, its KV sized for one scoring forward
+        itemsize = _dtype_bytes(t.dtype)
+        online_kv = 2 * recipe.precompute.batch_tokens * kv_bytes_per_token(cfg, t.tp, itemsize)
+        parts |= {"target": target_weight_bytes(cfg, t.tp, itemsize), "scoring": scoring,
+                  **_nonzero(buffers=reserved_bytes(flashinfer_backends(recipe, cfg, 1), t.tp)), "KV": online_kv}
         note += (f"; online: the target (TP {t.tp}) scores beside the head, KV for one "
                  f"{recipe.precompute.batch_tokens:,}-token forward (at most 2x its tokens in slots)")
-    if online and not recipe.data.regenerate:  # precompute only plans the shards: no target on the GPU
+    return StagePlan("train", parts, gpu_bytes, note)
+
+
+def _steps(recipe: Recipe) -> str:
+    """What the activations are of: unrolled steps, or a dflash head's blocks and their chunks."""
+    tokens = recipe.train.batch_tokens
+    if recipe.head.kind != "dflash":
+        return f"{recipe.train.unroll} unrolled steps x {tokens:,} tokens"
+    blocks, rows = dflash_blocks(recipe)
+    which = ("every anchor" if not recipe.train.anchors else f"{blocks:,} anchors ({recipe.train.anchors} per "
+             f"document of {min(recipe.data.max_length, tokens):,} tokens)")
+    return f"blocks of {recipe.head.block_size} at {which} of {tokens:,} tokens, {rows:,} block rows at a time"
+
+
+def memory_plan(cfg: ModelConfig, recipe: Recipe, gpu_bytes: int = H100_BYTES) -> list[StagePlan]:
+    """Each stage's bytes per rank on a GPU of ``gpu_bytes`` (an H100 80 GB by default)."""
+    scoring = scoring_activation_bytes(cfg, recipe, _dtype_bytes(recipe.target.dtype))
+    runtime = _precompute_plan(cfg, recipe, gpu_bytes, scoring)
+    if recipe.precompute.mode == "online" and not recipe.data.regenerate:  # it only plans the shards
         runtime = StagePlan("precompute", {}, gpu_bytes, "online: the rows' tokens and the shard plan, no target")
-    elif online:
-        runtime = dataclasses.replace(runtime, note=runtime_note + "; online: the target regenerates answers only")
-    return [runtime, StagePlan("train", parts, gpu_bytes, note), eval_plan(cfg, recipe, gpu_bytes, scoring)]
+    elif recipe.precompute.mode == "online":
+        runtime = dataclasses.replace(runtime, note=runtime.note + "; online: the target regenerates answers only")
+    return [runtime, _train_plan(cfg, recipe, gpu_bytes, scoring), eval_plan(cfg, recipe, gpu_bytes, scoring)]
 
 
 def plan_lines(cfg: ModelConfig, recipe: Recipe, gpu_bytes: int = H100_BYTES) -> list[str]:
     plans = memory_plan(cfg, recipe, gpu_bytes)
     return [f"memory per rank (GiB) of {gpu_bytes / GIB:.1f} GiB (an H100 80 GB), from the target's config:"] + [
         p.line() for p in plans]
+
+
+def check_fits(cfg: ModelConfig, recipe: Recipe, stages: list[str], gpu_bytes: int = H100_BYTES,
+               gpu: str = "an H100 80 GB") -> None:
+    """Refuse, in one line naming the stage and what would fit (``_what_fits``), the first of ``stages`` whose plan
+    needs more than ``gpu_bytes`` per rank."""
+    for plan in memory_plan(cfg, recipe, gpu_bytes):
+        if plan.stage in stages and not plan.fits:
+            fixes = _what_fits(cfg, recipe, plan.stage, gpu_bytes)
+            raise UserError(
+                f"{plan.stage}: the memory plan needs {plan.total / GIB:.1f} GiB per rank, more than the "
+                f"{gpu_bytes / GIB:.1f} GiB of {gpu}; "
+                + (f"it fits with {', or '.join(fixes)}" if fixes else "no higher target.tp or fewer batch tokens fit")
+                + " (`python -m mtp_train.memory RECIPE` prints the plan by part)")
+
+
+def _what_fits(cfg: ModelConfig, recipe: Recipe, stage: str, gpu_bytes: int) -> list[str]:
+    """For each setting that moves ``stage``'s plan, its first value that fits, planned again, with its total: a
+    higher ``target.tp`` (a divisor of the attention and KV heads) where the stage holds the target; half the
+    ``train.batch_tokens`` (doubling ``train.grad_accum``, so that a step trains as many tokens), then a quarter...;
+    the same of ``precompute.batch_tokens`` where the stage scores; ``precompute.mode: offline`` for online
+    training."""
+    def changed(section: str, **update) -> Recipe:
+        return recipe.model_copy(update={section: getattr(recipe, section).model_copy(update=update)})
+
+    tr, pc, tp = recipe.train, recipe.precompute, recipe.target.tp
+    online = pc.mode == "online"
+    holds_target, heads = stage != "train" or online, math.gcd(cfg.num_heads, cfg.num_kv_heads)
+    halvings = [2**i for i in range(1, 8)]
+    knobs = [
+        [(f"target.tp={d}", changed("target", tp=d)) for d in range(tp + 1, heads + 1) if heads % d == 0]
+        if holds_target else [],
+        [(f"train.batch_tokens={tr.batch_tokens // f} train.grad_accum={tr.grad_accum * f}",
+          changed("train", batch_tokens=tr.batch_tokens // f, grad_accum=tr.grad_accum * f))
+         for f in halvings if tr.batch_tokens // f >= 256] if stage == "train" else [],
+        [(f"precompute.batch_tokens={pc.batch_tokens // f}", changed("precompute", batch_tokens=pc.batch_tokens // f))
+         for f in halvings if pc.batch_tokens // f >= 256] if holds_target else [],
+        [("precompute.mode=offline", changed("precompute", mode="offline"))] if stage == "train" and online else [],
+    ]
+    found = []
+    for tries in knobs:
+        for label, candidate in tries:
+            plan = next(p for p in memory_plan(cfg, candidate, gpu_bytes) if p.stage == stage)
+            if plan.fits:
+                found.append(f"{label} ({plan.total / GIB:.1f} GiB)")
+                break
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:

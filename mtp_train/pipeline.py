@@ -36,7 +36,12 @@ def _train(recipe: Recipe, **options) -> None:
     from mtp_train.train.trainer import run_train
 
     for kind in head_kinds(recipe):
-        run_train(recipe.model_copy(update={"head": recipe.head.model_copy(update={"kind": kind})}))
+        check_gpu_memory(_with_head(recipe, kind), "train")
+        run_train(_with_head(recipe, kind))
+
+
+def _with_head(recipe: Recipe, kind: str) -> Recipe:
+    return recipe.model_copy(update={"head": recipe.head.model_copy(update={"kind": kind})})
 
 
 def head_kinds(recipe: Recipe) -> list[str]:
@@ -132,13 +137,44 @@ def check_data(recipe: Recipe, stages: tuple[Stage, ...]) -> list[str]:
     return disk.lines()
 
 
+def _target_config(recipe: Recipe):
+    from mtp_train.models.config import ModelConfig
+
+    return ModelConfig.from_hf(find_checkpoint(recipe.target.path).config, str(recipe.target.path / "config.json"))
+
+
 def memory_text(recipe: Recipe) -> str:
     """What each stage holds per rank on an H100 80 GB (``mtp_train.memory``), from the target's config."""
     from mtp_train.memory import plan_lines
-    from mtp_train.models.config import ModelConfig
 
-    ckpt = find_checkpoint(recipe.target.path)
-    return "\n".join(plan_lines(ModelConfig.from_hf(ckpt.config, str(recipe.target.path / "config.json")), recipe))
+    return "\n".join(plan_lines(_target_config(recipe), recipe))
+
+
+def check_memory(recipe: Recipe, stages: tuple[Stage, ...]) -> None:
+    """``--dry-run``: refuse (one line) a planned stage whose memory plan does not fit an H100 80 GB, saying what would;
+    the train stage for each head it trains. Export and report hold nothing on a GPU."""
+    from mtp_train.memory import check_fits
+
+    cfg, names = _target_config(recipe), [stage.name for stage in stages]
+    check_fits(cfg, recipe, [name for name in names if name != "train"])
+    for kind in head_kinds(recipe) if "train" in names else []:
+        check_fits(cfg, _with_head(recipe, kind), ["train"])
+
+
+def check_gpu_memory(recipe: Recipe, stage: str) -> None:
+    """At the start of ``stage`` on a GPU, before anything is loaded to it: refuse a plan that does not fit this GPU's
+    memory (its total, as ``torch.cuda.get_device_properties`` reads it without making a context). The plan is of a
+    GPU, so a CPU run (no CUDA, or ``ACCELERATE_USE_CPU``) is never refused."""
+    import os
+
+    import torch
+
+    if not torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
+        return
+    from mtp_train.memory import check_fits
+
+    props = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0")))
+    check_fits(_target_config(recipe), recipe, [stage], props.total_memory, f"this GPU ({props.name})")
 
 
 def plan_text(recipe: Recipe, stages: tuple[Stage, ...] = STAGES) -> str:

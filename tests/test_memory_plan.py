@@ -14,7 +14,9 @@ from conftest import REPO, TINY_RECIPE, TINY_TARGET
 from hf_models import save_random_model
 from mtp_train.head_memory import (attention_kernel, head_activation_bytes_per_token, head_activation_terms,
                                    head_parameter_count, head_saved_bytes, loss_copy_bytes, train_activation_bytes)
+from mtp_train.heads.attention import ATTENTION_PEAK_BYTES
 from mtp_train.memory import H100_BYTES, kv_bytes_per_token, memory_plan, plan_lines, target_weight_bytes
+from mtp_train.runtime.reserve import flashinfer_backend_bytes, reserved_bytes
 from mtp_train.models.config import ModelConfig
 from mtp_train.recipe import load_recipe
 
@@ -161,35 +163,35 @@ def test_deepseek_head_parameters_are_its_layer_and_the_mtp_parts(deepseek):
 
 
 def test_mla_head_activations_are_what_autograd_saves_on_a_real_forward(deepseek):
-    """The MLA head's attention keeps SDPA's math-kernel saves, quadratic in each document's length: the two terms
-    measured on the meta device predict what a real CPU forward over several packed documents keeps."""
+    """The MLA head's attention (a 576-wide key head, which no fused kernel takes) runs ``range_attention``, which
+    keeps no scores: the term measured on the meta device is linear, and predicts what a real CPU forward over
+    several packed documents keeps."""
     _, _, cfg = deepseek
     recipe = load_recipe(TINY_RECIPE)
-    assert attention_kernel(recipe, cfg) == "math"
+    assert attention_kernel(recipe, cfg) == "chunked"
     linear, quadratic = head_activation_terms(recipe, cfg)
     steps = recipe.train.unroll
-    assert linear > steps * cfg.hidden_size * 4
-    assert quadratic == steps * cfg.num_heads * 4  # the [heads, L, L] softmax in fp32, once per storage and step
+    assert linear > steps * cfg.hidden_size * 4 and quadratic == 0
     cu = [0, 96, 256, 300]
     real = head_saved_bytes(recipe, cfg, cu, device="cpu")
-    assert steps * real == linear * cu[-1] + quadratic * sum((e - s) ** 2 for s, e in zip(cu, cu[1:]))
+    assert steps * real == linear * cu[-1]
 
 
 def test_the_plan_counts_the_attention_kernel_a_gpu_selects():
-    """bf16 (the default on CUDA) runs a flash kernel, which keeps no scores; fp32 and eagle3's masked
-    training-time test run the math kernel, whose scores grow with the square of each document: the plan counts
-    them (the 8B recipe in fp32 does not fit), measured on the meta device."""
+    """bf16 (the default on CUDA) runs a flash kernel, which keeps no scores; fp32 runs the math kernel, whose scores
+    grow with the square of each document: the plan counts them (the 8B recipe in fp32 does not fit), measured on the
+    meta device. eagle3's training-time test runs ``range_attention``: no scores kept, and the 8B plan fits."""
     cfg = _config(CONFIGS / "llama-3.1-8b.json")
     name = REPO / "recipes" / "llama3.1-8b.yaml"
     default, fp32, eagle3 = (load_recipe(name, o) for o in ([], ['train.mixed_precision="no"'], ["head.kind=eagle3"]))
-    assert [attention_kernel(r, cfg) for r in (default, fp32, eagle3)] == ["flash", "math", "math"]
-    assert head_activation_terms(default, cfg)[1] == 0
-    for recipe in (fp32, eagle3):
-        quadratic = head_activation_terms(recipe, cfg)[1]
-        assert quadratic >= recipe.train.unroll * cfg.num_heads * 4  # [heads, L, L] fp32 per step at least
-        train = memory_plan(cfg, recipe)[1]
-        assert not train.fits and "the math attention kernel's scores of documents up to 4,096 tokens" in train.line()
+    assert [attention_kernel(r, cfg) for r in (default, fp32, eagle3)] == ["flash", "math", "chunked"]
+    assert head_activation_terms(default, cfg)[1] == head_activation_terms(eagle3, cfg)[1] == 0
+    quadratic = head_activation_terms(fp32, cfg)[1]
+    assert quadratic >= fp32.train.unroll * cfg.num_heads * 4  # [heads, L, L] fp32 per step at least
+    train = memory_plan(cfg, fp32)[1]
+    assert not train.fits and "the math attention kernel's scores of documents up to 4,096 tokens" in train.line()
     assert "the flash attention kernel)" in memory_plan(cfg, default)[1].line()
+    assert memory_plan(cfg, eagle3)[1].fits and "the chunked attention kernel)" in memory_plan(cfg, eagle3)[1].line()
 
 
 @pytest.mark.parametrize("kind", ["mtp", "eagle", "eagle3"])
@@ -197,7 +199,8 @@ def test_the_plan_counts_the_attention_kernel_a_gpu_selects():
 def test_the_plan_bounds_what_a_real_training_step_keeps_loss_included(kind, teacher):
     """A real CPU forward of the objective (the head's unrolled steps and the loss, with the masked rows it
     gathers) keeps at most what the plan's activations and loss copies say, and not much less (within 15%).
-    eagle3 runs the math kernel, as on a GPU; the others a flash-like kernel, as CPU's SDPA does without a mask."""
+    eagle3 runs ``range_attention``, as on a GPU (its chunks' scores are a transient bound in the plan, not kept);
+    the others a flash-like kernel, as CPU's SDPA does without a mask."""
     import weakref
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -218,9 +221,14 @@ def test_the_plan_bounds_what_a_real_training_step_keeps_loss_included(kind, tea
                                 tuple(aux_layers_for(recipe.head.aux_layers, cfg)) if eagle3 else (),
                                 draft_vocab_size(recipe.head.draft_vocab, cfg.vocab_size) if eagle3 else 0))
     h, v, k, n = cfg.hidden_size, cfg.vocab_size, recipe.precompute.topk, 1024
-    frozen = FrozenTarget(cfg, torch.randn(v, h), torch.ones(h), torch.randn(v, h))
+    # eagle3 counts a row only where the target's top-1 lies in its draft vocabulary (ids 0..N-1 before any
+    # training); the plan takes every row, so here every top-1 lies there (the exact teacher's: the lm_head's rows
+    # outside it small)
+    top = head.draft_ids.numel() if eagle3 else v
+    lm_head = torch.randn(v, h) * torch.where(torch.arange(v) < top, 1.0, 1e-3)[:, None]
+    frozen = FrozenTarget(cfg, torch.randn(v, h), torch.ones(h), lm_head)
     batch = Batch(torch.randint(0, v, (n,)), torch.randn(n, h), torch.ones(n, dtype=torch.bool),
-                  torch.randn(n, k).log_softmax(-1), torch.randint(0, v, (n, k)), torch.full((n,), -3.0),
+                  torch.randn(n, k).log_softmax(-1), torch.randint(0, top, (n, k)), torch.full((n,), -3.0),
                   [0, 256, 512, 768, 1024], torch.randn(n, 3 * h) if eagle3 else None)
     held = [*head.parameters(), frozen.embed_weight, frozen.norm_weight, frozen.lm_head_weight, batch.tokens,
             batch.hidden, batch.loss_mask, batch.topk_logprobs, batch.topk_ids, batch.tail_logprob, batch.aux]
@@ -231,13 +239,14 @@ def test_the_plan_bounds_what_a_real_training_step_keeps_loss_included(kind, tea
         saved.append(weakref.ref(t))
         return t
 
-    backends = SDPBackend.MATH if eagle3 else [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
-    with sdpa_kernel(backends), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss, _ = objective(head, frozen, batch, loss_weights(recipe))
     kept = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in (r() for r in saved)
             if t is not None and t.untyped_storage()._cdata not in skip}
     measured = sum(kept.values())
-    planned = train_activation_bytes(recipe, cfg) + loss_copy_bytes(recipe, cfg)
+    transient = ATTENTION_PEAK_BYTES if eagle3 else 0
+    planned = train_activation_bytes(recipe, cfg) - transient + loss_copy_bytes(recipe, cfg)
     assert measured <= planned <= 1.15 * measured, (measured, planned)
 
 
@@ -256,7 +265,10 @@ def test_the_eval_counts_its_drafts_weights_and_pools_inside_one_budget():
     precompute, _, evaluation = memory_plan(cfg, recipe, H100_BYTES)
     heads = (head_parameter_count(recipe, cfg, "mtp") + head_parameter_count(recipe, cfg, "eagle")) * 2
     assert evaluation.parts["heads"] == heads > 2**30
-    assert evaluation.parts["KV"] == precompute.parts["KV"] - heads  # one budget: fraction x GPU - weights - heads
+    # one budget: fraction x GPU - weights - heads - the buffers of 3 FlashInfer backends (engine, 2 drafters)
+    buffers = reserved_bytes(3, recipe.target.tp)
+    assert evaluation.parts["buffers"] == buffers == precompute.parts["buffers"] + 2 * flashinfer_backend_bytes()
+    assert evaluation.parts["KV"] == precompute.parts["KV"] - heads - 2 * flashinfer_backend_bytes()
     assert evaluation.fits and evaluation.total <= precompute.total
     assert "shared by the target and 2 head(s) (mtp, eagle)" in evaluation.line()
     assert H100_BYTES == int(79.2 * 2**30)  # what mem_get_info reports, the runtime's base for gpu_memory_fraction
