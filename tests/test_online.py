@@ -10,6 +10,7 @@ import json
 import re
 import signal
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -25,6 +26,7 @@ from mtp_train.recipe import load_recipe
 from mtp_train.runtime.engine import Engine
 from mtp_train.train.data import load_batch, plan_batches
 from mtp_train.train.objective import heldout_batches, loss_weights, objective
+from mtp_train.train.online import scorer
 from precompute_helpers import make_recipe, run_precompute_cli, sgd_rows, write_jsonl
 from test_train import TRAIN, run_train_cli
 
@@ -66,7 +68,7 @@ def bound(recipe_path) -> OnlineFeatures:
     assert isinstance(features, OnlineFeatures)
     engine = Engine.for_target(recipe.target, torch.float32, torch.device("cpu"), TensorParallel(),
                                max_batch_tokens=recipe.precompute.batch_tokens)
-    features.bind(lambda seqs: engine.score(seqs, layers=features.manifest.layers, topk=features.manifest.topk))
+    features.bind(scorer(engine, features))
     return features
 
 
@@ -110,6 +112,129 @@ def test_online_batches_losses_and_gradients_equal_offline_bit_for_bit(plans, dt
     for a, c in zip(heldout_batches(offline, 1024), heldout_batches(online, 1024)):
         assert all(torch.equal(getattr(a, n), getattr(c, n)) for n in FIELDS if n != "aux")
     assert online.scored >= 2 and online.held_bytes > 0
+
+
+def start_scoring(recipe, rank: int, world: int):
+    """``OnlineScoring`` as training rank ``rank`` of ``world`` starts it (TP 1, on the CPU)."""
+    from types import SimpleNamespace
+
+    from mtp_train.train.online import OnlineScoring
+
+    features = open_features(recipe)
+    t = recipe.train
+    per_epoch = len(plan_batches(features.train, t.batch_tokens, recipe.seed, 0)) // (world * t.grad_accum)
+    accelerator = SimpleNamespace(device=torch.device("cpu"), num_processes=world, process_index=rank,
+                                  is_main_process=rank == 0)
+    return OnlineScoring.start(recipe, features, accelerator, per_epoch)
+
+
+def _dialogue(raw: dict) -> tuple[str, ...]:
+    return tuple(turn["value"] for turn in raw["conversations"])
+
+
+class ZeroTarget:
+    """Stands in for the target where only the rows matter: ``score`` gives zeros of the features' shapes."""
+
+    hidden_size = 128  # the tiny target's
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs) -> ZeroTarget:
+        return cls()
+
+    def score(self, sequences, layers=(-1,), topk=0, store_hidden=None):
+        from mtp_train.runtime.engine import ScoreOutput
+
+        t = sum(map(len, sequences))
+        cu = torch.tensor([0, *np.cumsum([len(s) for s in sequences])], dtype=torch.int64)
+        hidden, scale = torch.zeros(t, len(layers), self.hidden_size), None
+        if store_hidden is not None:
+            hidden, scale = store_hidden(hidden)
+        return ScoreOutput(cu, hidden, torch.zeros(t, topk), torch.zeros(t, topk, dtype=torch.long), torch.zeros(t),
+                           torch.zeros(t), list(layers), scale)
+
+
+def test_each_training_rank_converts_only_the_rows_of_the_shards_it_scores(plans, monkeypatch):
+    """Two training ranks: each converts the data rows of the shards its own windows hold (those it scores, and
+    the next window it encodes ahead) and the held-out rows it validates on, no other; the rows of the two ranks'
+    windows are every training row, once."""
+    from mtp_train.data import dataset, formats
+
+    recipe = load_recipe(plans["online", "bf16"])
+    row_of = {_dialogue(raw): i for i, raw in enumerate(sgd_rows(80, split="train"))}
+    converted: list[int] = []
+    to_messages = formats.to_messages
+    count = lambda raw, fmt: converted.append(row_of[_dialogue(raw)]) or to_messages(raw, fmt)  # noqa: E731
+    for module in (dataset, formats):
+        monkeypatch.setattr(module, "to_messages", count)
+    monkeypatch.setattr("mtp_train.train.online.Engine", ZeroTarget)
+    scored = {}
+    for rank in (0, 1):
+        converted.clear()
+        scoring = start_scoring(recipe, rank, 2)
+        for step in range(scoring.per_epoch):
+            scoring.ensure(step)
+        scoring.features.close()
+        features = scoring.features
+        table = features.sequences
+
+        def rows_of(shards) -> set[int]:
+            ids = [table.names.index(s) for s in shards]
+            return set(table.row_id[np.isin(table.shard, ids)].tolist())
+
+        heldout = set(features.heldout.row_id.tolist())
+        windows = rows_of({s for step in range(scoring.per_epoch) for s in scoring.needed(step)}) - heldout
+        ahead = rows_of({s for lanes in scoring.plans[0] for plan in lanes for names in plan.ahead for s in names})
+        ahead -= heldout
+        assert heldout <= set(converted) and windows <= set(converted), rank
+        assert set(converted) - heldout <= ahead, f"rank {rank} converted rows of other ranks' shards"
+        scored[rank] = windows
+    assert not scored[0] & scored[1]
+    assert scored[0] | scored[1] == set(features.train.row_id.tolist())
+
+
+def test_shards_are_encoded_ahead_on_a_thread_and_quantized_inside_score(plans, monkeypatch):
+    """The step path only scores: the rows of a later window's shards are encoded on the encoding thread (asked for
+    a window ahead, while earlier steps train), and fp8's quantization runs inside ``Engine.score``, on each batch
+    where it was computed, never on the host's copy of a whole shard."""
+    import threading
+
+    from mtp_train.features import tensors
+    from mtp_train.features.online import PlannedRows
+
+    encoded: dict[int, str] = {}  # a shard's first row -> the thread that encoded it
+    encode = PlannedRows.encode
+
+    def encode_where(self, row_ids):
+        encoded.setdefault(row_ids[0], threading.current_thread().name)
+        return encode(self, row_ids)
+
+    inside, quantized = threading.local(), []
+    score, quantize = Engine.score, tensors.quantize_fp8
+
+    def score_inside(self, *args, **kwargs):
+        inside.flag = True
+        try:
+            return score(self, *args, **kwargs)
+        finally:
+            inside.flag = False
+
+    monkeypatch.setattr(PlannedRows, "encode", encode_where)
+    monkeypatch.setattr(Engine, "score", score_inside)
+    monkeypatch.setattr(tensors, "quantize_fp8",
+                        lambda h: quantized.append(getattr(inside, "flag", False)) or quantize(h))
+    scoring = start_scoring(load_recipe(plans["online", "fp8"]), 0, 1)
+    first, windows, steps = set(scoring.needed(0)), [], 0
+    while len(windows) < 3 and steps < scoring.per_epoch:  # the first three windows
+        scoring.ensure(steps)
+        windows += [] if windows and windows[-1] == scoring.needed(steps) else [scoring.needed(steps)]
+        steps += 1
+    scoring.features.close()
+    table = scoring.features.sequences
+    later = {s for window in windows for s in window} - first
+    starts = {int(table.row_id[np.flatnonzero(table.shard == table.names.index(s))[0]]) for s in later}
+    assert starts and {encoded[r] for r in starts} != {"MainThread"}, "later windows are encoded ahead"
+    assert all(encoded[r] != "MainThread" for r in starts), {r: encoded[r] for r in starts}
+    assert quantized and all(quantized), "fp8 quantization happens inside score(), batch by batch"
 
 
 def test_the_cache_keeps_shards_for_later_epochs_and_zero_keeps_only_the_needed(plans):
@@ -264,4 +389,4 @@ def test_an_online_plan_over_regenerated_rows_encodes_the_targets_answers(tmp_pa
     for a, b in zip(online.sequences, offline.sequences):
         assert all(torch.equal(online.load(a)[n], offline.load(b)[n]) for n in ("input_ids", "loss_mask"))
     first = json.loads(answers[0].read_text().splitlines()[1])
-    assert online.rows.content[first["row_id"]] == first["messages"]
+    assert online.rows.contents([first["row_id"]])[first["row_id"]] == first["messages"]

@@ -7,14 +7,16 @@ bytes). ``OnlineFeatures`` reads it as ``FeatureReader`` reads stored features, 
 ``heldout`` tables and the same ``read_rows``, so the trainer's batch plan, masks and loss are the same. Only
 where the bytes come from differs:
 
-- token ids and loss masks: the plan's rows, rebuilt from the recipe's data (with the regenerated answers) and
-  encoded as precompute encodes them, checked against the index's lengths;
+- token ids and loss masks: the plan's rows, read from the recipe's data (with the regenerated answers) only when
+  a shard that holds them is encoded, and encoded as precompute encodes them, checked against the index's lengths
+  (``mtp_train.features.planned_rows``): a rank converts the rows of its own windows, not the dataset;
 - hidden states and top-K: one ``score`` of the shard's sequences (the call precompute makes per shard), made into
   a shard's tensors (``mtp_train.features.tensors``), so rounded as ``hidden_dtype`` stores them.
 
-The trainer asks for the shards of its current windows before it reads them (``ensure``); other shards are
-dropped, oldest first, once the held bytes pass ``cache_bytes``. The held-out sequences are scored once, together,
-when scoring starts (``bind``), so that validation needs no shard.
+The trainer asks for the shards of its current windows before it reads them (``ensure``), and for the rows of the
+next windows to be encoded meanwhile on a thread of their own (``prepare``); other shards are dropped, oldest
+first, once the held bytes pass ``cache_bytes``. The held-out sequences are scored once, together, when scoring
+starts (``bind``), so that validation needs no shard.
 """
 
 from __future__ import annotations
@@ -28,15 +30,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from mtp_train.data.answers import read_answers, regeneration_key
-from mtp_train.data.dataset import encode_many, load_rows
-from mtp_train.data.tokenizer import load_tokenizer
 from mtp_train.errors import UserError
 from mtp_train.features.index import SequenceRef, SequenceTable, by_rank, load_indexes, sequence_table
-from mtp_train.features.manifest import (Manifest, data_fingerprint, target_fingerprint, text_fingerprint,
-                                         tokenizer_fingerprint)
+from mtp_train.features.manifest import Manifest, target_fingerprint
+from mtp_train.features.planned_rows import EncodedRows, PlannedRows, ShardEncoder
 from mtp_train.features.reader import FeatureReader
-from mtp_train.features.tensors import FP8, HIDDEN_DTYPES, shard_tensors
+from mtp_train.features.tensors import FP8, HIDDEN_DTYPES, scored_tensors
 from mtp_train.features.verify import load_features_manifest
 from mtp_train.io import group_by_tokens
 from mtp_train.recipe import Recipe
@@ -77,36 +76,6 @@ def row_layouts(manifest: Manifest) -> dict[str, tuple[torch.dtype, tuple[int, .
     return layout
 
 
-class PlannedRows:
-    """The rows of an online plan, rebuilt from the recipe's data as precompute read them (with the target's answers
-    where it regenerated them) and encoded on request; refused when the data, tokenizer or chat template are no
-    longer those the plan was made from."""
-
-    def __init__(self, recipe: Recipe, manifest: Manifest, root: Path) -> None:
-        s, fingerprint = manifest.settings, manifest.fingerprint
-        self.tokenizer = load_tokenizer(recipe)
-        now = {"tokenizer": tokenizer_fingerprint(recipe.target.path),
-               "chat template": text_fingerprint(str(self.tokenizer.chat_template)),
-               "data files": data_fingerprint(recipe.data.train)}
-        changed = [what for (what, v), key in zip(now.items(), ("tokenizer", "chat_template", "data"))
-                   if fingerprint.get(key) != v]
-        if changed:
-            raise UserError(f"{root}: the plan was made from other {' and '.join(changed)} than the recipe names now; "
-                            "rerun `mtp-train precompute` with --overwrite")
-        data = load_rows(recipe.data.train, s["format"], s["skip_bad_rows"], s["max_rows"])
-        self.content = {r.row_id: r.content for r in data.rows}
-        if manifest.regenerated:
-            key = regeneration_key(fingerprint, manifest.sampling or {}, s["max_length"])
-            answers = read_answers(root, manifest.ranks, key)
-            self.content.update((i, m) for i, m in answers.items() if i in self.content)
-        self.max_length = s["max_length"]
-
-    def encode(self, row_ids: list[int]) -> list[tuple[list[int], list[int]]]:
-        """Token ids and loss mask of each row, as precompute encoded them."""
-        encoded = encode_many(self.tokenizer, [self.content[i] for i in row_ids], self.max_length, row_ids)
-        return [(ids, mask) for ids, mask, _ in encoded]
-
-
 def _as_bytes(t: torch.Tensor) -> np.ndarray:
     """``t``'s bytes, row after row (uint8, sharing its memory)."""
     return t.contiguous().view(-1).view(torch.uint8).numpy()
@@ -135,6 +104,7 @@ class OnlineFeatures:
         self.heldout: SequenceTable = self.sequences[np.flatnonzero(heldout)]
         self._heldout_ids = set(self.heldout.row_id.tolist())
         self.rows = PlannedRows(recipe, m, self.root)
+        self.shard_bytes = {e.file: 0 for e in m.shards}  # nothing is read from disk, so nothing ahead
         self.cache_bytes = int(recipe.precompute.online_cache_gb * 2**30)
         self._layout = row_layouts(m)
         # the table lists the shards' sequences shard after shard: each shard's are one run of it
@@ -143,6 +113,7 @@ class OnlineFeatures:
         self._members = {name: (int(end - n), int(end)) for name, n, end in zip(self.sequences.names, counts, ends)}
         self._held: OrderedDict[str, Arrays] = OrderedDict()  # scored shards, oldest first
         self._tokens: OrderedDict[str, Arrays] = OrderedDict()  # a few shards' token ids and masks
+        self._encoder = ShardEncoder(self._encode_shard)  # shards' rows, encoded ahead of their scoring
         self._heldout: tuple[Arrays, dict[int, int]] | None = None  # held-out rows, and each row's first token
         self._score: Scorer | None = None
         self.scored = self.scored_tokens = 0
@@ -163,9 +134,8 @@ class OnlineFeatures:
         """``input_ids [n]`` int32 and ``loss_mask [n]`` uint8 of one sequence (a held-out one encoded alone: the
         eval reads them, spread over the shards)."""
         if ref.shard not in self._held and ref.row_id in self._heldout_ids:
-            [(ids, mask)] = self._encode([ref.row_id], ref.stop - ref.start, f"held-out row {ref.row_id}")
-            return {"input_ids": torch.tensor(ids, dtype=torch.int32),
-                    "loss_mask": torch.tensor(mask, dtype=torch.uint8)}
+            row = self.rows.encode_checked([ref.row_id], ref.stop - ref.start, f"held-out row {ref.row_id}")
+            return {"input_ids": torch.from_numpy(row.ids), "loss_mask": torch.from_numpy(row.mask)}
         arrays, base = self._token_source(ref)
         first = base + ref.start
         return {"input_ids": torch.from_numpy(arrays["input_ids"][4 * first : 4 * (first + ref.stop - ref.start)]
@@ -199,8 +169,7 @@ class OnlineFeatures:
         if not len(refs):
             self._heldout = ({}, {})
             return
-        rows = self._encode([int(i) for i in refs.row_id], refs.lengths, "the held-out rows")
-        arrays = self._scored(rows)
+        arrays = self._scored(self.rows.encode_checked(refs.row_id.tolist(), refs.lengths, "the held-out rows"))
         starts = np.concatenate([[0], np.cumsum(refs.lengths)[:-1]])
         self._heldout = arrays, {int(r): int(s) for r, s in zip(refs.row_id, starts)}
 
@@ -221,6 +190,16 @@ class OnlineFeatures:
                 self._held[name] = self._score_shard(name)
             self._held.move_to_end(name)
 
+    def prepare(self, names: Iterable[str]) -> None:
+        """Encode the rows of the shards ``names`` on the encoding thread, ahead of the ``ensure`` that scores them,
+        so that the training step's path only scores (``ShardEncoder.prepare``: what an earlier call asked for and
+        this one does not name is dropped)."""
+        self._encoder.prepare(n for n in names if n not in self._held)
+
+    def close(self) -> None:
+        """Stop the encoding thread."""
+        self._encoder.close()
+
     @property
     def held_bytes(self) -> int:
         """Bytes of the scored shards held now (the held-out rows not counted)."""
@@ -240,32 +219,31 @@ class OnlineFeatures:
 
     def _score_shard(self, name: str) -> Arrays:
         a, b = self._members[name]
-        rows = self._encode(self.sequences.row_id[a:b].tolist(), self.sequences.lengths[a:b], name)
-        arrays = self._scored(rows)
+        arrays = self._scored(self._encoder.take(name))
         self.scored += 1
         self.scored_tokens += int(self.sequences.lengths[a:b].sum())
         return arrays
 
-    def _scored(self, rows: list[tuple[list[int], list[int]]]) -> Arrays:
-        """The tensors a shard of ``rows`` holds (``cu_seqlens`` left out), as bytes."""
+    def _encode_shard(self, name: str) -> EncodedRows:
+        """The token ids and masks of shard ``name``'s rows (on the encoding thread when prepared)."""
+        a, b = self._members[name]
+        return self.rows.encode_checked(self.sequences.row_id[a:b].tolist(), self.sequences.lengths[a:b], name)
+
+    def _scored(self, rows: EncodedRows) -> Arrays:
+        """The tensors a shard of ``rows`` holds (``cu_seqlens`` left out), as bytes: ``score`` stores each batch's
+        hidden states (bf16, or FP8) where it computed them."""
         if self._score is None:
             raise RuntimeError("OnlineFeatures: no scorer bound; call bind() first")
         began = time.perf_counter()
-        tensors = shard_tensors(self._score([ids for ids, _ in rows]), rows, self.manifest.topk,
-                                self.manifest.hidden_dtype)
+        tensors = scored_tensors(self._score(rows.sequences()), self.manifest.topk, self.manifest.hidden_dtype)
         self.score_s += time.perf_counter() - began
+        arrays = rows.arrays()
         for name, (dtype, row) in self._layout.items():
-            t = tensors[name]
-            assert t.dtype == dtype and tuple(t.shape[1:]) == row, (name, t.dtype, tuple(t.shape))
-        return {name: _as_bytes(tensors[name]) for name in self._layout}
-
-    def _encode(self, row_ids: list[int], lengths: np.ndarray | int, what: str) -> list[tuple[list[int], list[int]]]:
-        rows = self.rows.encode(row_ids)
-        if [len(ids) for ids, _ in rows] != np.atleast_1d(lengths).tolist():
-            raise UserError(f"{self.root}: {what} encode to other lengths than the plan records (the data, its "
-                            "regenerated answers or the encoding changed); rerun `mtp-train precompute` with "
-                            "--overwrite")
-        return rows
+            if name not in arrays:
+                t = tensors[name]
+                assert t.dtype == dtype and tuple(t.shape[1:]) == row, (name, t.dtype, tuple(t.shape))
+                arrays[name] = _as_bytes(t)
+        return arrays
 
     def _scored_source(self, ref: SequenceRef) -> tuple[Arrays, int]:
         """Where ``ref``'s scored rows are (the held-out rows, or its held shard), and the offset that turns
@@ -283,11 +261,7 @@ class OnlineFeatures:
         if ref.shard in self._held:
             return self._held[ref.shard], 0
         if ref.shard not in self._tokens:
-            a, b = self._members[ref.shard]
-            rows = self._encode(self.sequences.row_id[a:b].tolist(), self.sequences.lengths[a:b], ref.shard)
-            self._tokens[ref.shard] = {
-                "input_ids": _as_bytes(torch.tensor([t for ids, _ in rows for t in ids], dtype=torch.int32)),
-                "loss_mask": np.asarray([m for _, mask in rows for m in mask], np.uint8)}
+            self._tokens[ref.shard] = self._encoder.take(ref.shard, keep=True).arrays()
             while len(self._tokens) > TOKEN_SHARDS:
                 self._tokens.popitem(last=False)
         return self._tokens[ref.shard], 0

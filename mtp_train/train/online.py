@@ -6,6 +6,8 @@ disjoint shards (when there are at least as many windows as lanes). With ``targe
 groups of ``tp`` consecutive ranks (``tensor_parallel_groups``): a group holds the target sharded over its ranks,
 scores together the windows any of its ranks needs at a step, and each rank trains on its own batches of them.
 The KV cache holds the largest scoring forward of the plan and nothing more (``OnlineFeatures.pages_needed``).
+The step path only scores: ``ensure`` asks the encoding thread for the rows of the next windows
+(``OnlineFeatures.prepare``), and ``score`` stores each batch's hidden states (bf16, or FP8) where it computed them.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from mtp_train.features.online import OnlineFeatures
+from mtp_train.features.online import OnlineFeatures, Scorer
+from mtp_train.features.tensors import hidden_storage
 from mtp_train.models.tp import TensorParallel, tensor_parallel_groups
 from mtp_train.recipe import Recipe
 from mtp_train.runtime.device import resolve_dtype
@@ -27,6 +30,19 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
 PAGE_SIZE = 16  # the engine's default page
+
+
+def scorer(engine: Engine, features: OnlineFeatures) -> Scorer:
+    """What scores a shard's sequences for ``features``: ``engine.score`` of the plan's layers and top-K, each
+    batch's hidden states stored as the plan stores them (``hidden_storage``) before they leave the device."""
+    layers, topk = features.manifest.layers, features.manifest.topk
+    store = hidden_storage(features.manifest.hidden_dtype)
+
+    def score(sequences: list[list[int]]):
+        with torch.inference_mode():
+            return engine.score(sequences, layers=layers, topk=topk, store_hidden=store)
+
+    return score
 
 
 @dataclass
@@ -54,13 +70,7 @@ class OnlineScoring:
         engine = Engine.from_pretrained(recipe.target.path, resolve_dtype(recipe.target.dtype, device), device, tp,
                                         backend=recipe.target.attention_backend, page_size=PAGE_SIZE, num_pages=pages,
                                         max_batch_tokens=recipe.precompute.batch_tokens)
-        layers, topk = features.manifest.layers, features.manifest.topk
-
-        def score(sequences: list[list[int]]):
-            with torch.inference_mode():
-                return engine.score(sequences, layers=layers, topk=topk)
-
-        features.bind(score)
+        features.bind(scorer(engine, features))
         lanes, windows = world * recipe.train.grad_accum, len(plan_windows(features.train, recipe.seed, 0))
         if lanes > windows and accelerator.is_main_process:
             print(f"train: warning: online, {windows} shard window(s) for {lanes} lanes (processes x grad_accum): "
@@ -77,8 +87,18 @@ class OnlineScoring:
                                             self.world, t.grad_accum) for member in self.members]}
         return [name for lanes in self.plans[epoch] for plan in lanes for name in plan.window[index % len(plan)]]
 
+    def upcoming(self, step: int) -> list[str]:
+        """The shard files of the windows the group's lanes visit after those of step ``step``."""
+        self.needed(step)
+        epoch, index = divmod(step, self.per_epoch)
+        return [name for lanes in self.plans[epoch] for plan in lanes for name in plan.ahead[index % len(plan)]
+                if name not in plan.window[index % len(plan)]]
+
     def ensure(self, step: int) -> None:
+        """Hold the shards step ``step`` reads (scored now where they are not), and have the next windows' rows
+        encoded on the encoding thread meanwhile."""
         self.features.ensure(self.needed(step))
+        self.features.prepare(self.upcoming(step))
 
     def summary(self, rank: int) -> str:
         """What this rank scored, for its log line."""
