@@ -349,7 +349,8 @@ def test_the_memory_plan_puts_the_target_beside_the_head_online():
     assert train.parts["scoring"] == offline_plans[0].parts["activations"]
     slots = 2 * recipe.precompute.batch_tokens  # one scoring forward's tokens, with room for its pages
     assert train.parts["KV"] == slots * kv_bytes_per_token(cfg, 1, 2) < offline_plans[0].parts["KV"]
-    assert train.total == base.total + train.parts["target"] + train.parts["scoring"] + train.parts["KV"]
+    assert train.parts["buffers"] == offline_plans[0].parts["buffers"]  # the engine's attention workspace
+    assert train.total == base.total + sum(train.parts[k] for k in ("target", "scoring", "buffers", "KV"))
     assert "online: the target (TP 1) scores beside the head" in train.line()
 
 

@@ -11,10 +11,11 @@ shards a later step will score on a thread of its own, so that the training step
 from __future__ import annotations
 
 import json
+import queue
 import re
 import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -181,11 +182,13 @@ class EncodedRows:
 class ShardEncoder:
     """Encodes shards' rows (``encode(name)``) on one thread of its own, ahead of the step that scores them:
     ``prepare(names)`` asks for them, ``take(name)`` gives a shard's rows (waiting for its encoding in progress, or
-    encoding it now when it was not asked for)."""
+    encoding it now when it was not asked for). The thread is a daemon: a run that stops (a signal, the end) does
+    not wait for the windows it asked for."""
 
     def __init__(self, encode: Callable[[str], EncodedRows]) -> None:
         self._encode = encode
-        self._pool: ThreadPoolExecutor | None = None
+        self._jobs: queue.Queue[tuple[str, Future[EncodedRows]] | None] | None = None
+        self._thread: threading.Thread | None = None
         self._prepared: dict[str, Future[EncodedRows]] = {}
 
     def prepare(self, names: Iterable[str]) -> None:
@@ -194,12 +197,14 @@ class ShardEncoder:
         want = list(dict.fromkeys(names))
         for name in [n for n in self._prepared if n not in want]:
             self._prepared.pop(name).cancel()
-        if want and self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-encode",
-                                            initializer=leave_signals_to_main_thread)
+        if want and self._thread is None:
+            self._jobs = queue.Queue()
+            self._thread = threading.Thread(target=self._run, args=(self._jobs,), name="shard-encode", daemon=True)
+            self._thread.start()
         for name in want:
             if name not in self._prepared:
-                self._prepared[name] = self._pool.submit(self._encode, name)
+                self._prepared[name] = future = Future()
+                self._jobs.put((name, future))
 
     def take(self, name: str, keep: bool = False) -> EncodedRows:
         """Shard ``name``'s rows; ``keep``: leave them prepared for a later ``take``."""
@@ -207,8 +212,21 @@ class ShardEncoder:
         return future.result() if future is not None else self._encode(name)
 
     def close(self) -> None:
-        """Stop the thread (an encoding in progress finishes) and forget what was prepared."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        """Stop the thread (an encoding in progress finishes first) and forget what was prepared."""
+        for future in self._prepared.values():
+            future.cancel()
         self._prepared.clear()
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join()
+            self._thread = self._jobs = None
+
+    def _run(self, jobs: queue.Queue) -> None:
+        leave_signals_to_main_thread()
+        while (job := jobs.get()) is not None:
+            name, future = job
+            if future.set_running_or_notify_cancel():  # False: dropped before its turn
+                try:
+                    future.set_result(self._encode(name))
+                except BaseException as e:  # raised where the rows are taken (a changed row: a UserError)
+                    future.set_exception(e)

@@ -46,8 +46,9 @@ def dequantize_fp8_numpy(values: np.ndarray, scale: np.ndarray, out: np.ndarray 
 
     Each byte is moved into place as a float32's bits, ``sign << 31 | (exponent, mantissa) << 20``: that float is
     the e4m3 value times 2^-120 exactly (e4m3's subnormals become float32 subnormals), and one multiply by
-    ``scale * 2^120`` (exact: a power of two) rounds ``value * scale`` once, as the table does. Three integer passes
-    and a multiply over blocks that stay in the cache run about 3x faster than a gather from the 256-entry table.
+    ``scale * 2^120`` (exact: a power of two) rounds ``value * scale`` once, as the table does. A cast, two integer
+    passes and a multiply over blocks that stay in the cache run faster than bf16's widening (a shift of twice the
+    bytes), and several times faster than a gather from the 256-entry table.
     The table serves what this cannot: a thread whose float unit treats subnormals as zero, rows whose
     ``scale * 2^120`` overflows, and rows holding e4m3's NaN (0x7F, 0xFF), which are written again from it."""
     scale = np.asarray(scale, np.float32)
@@ -62,13 +63,14 @@ def dequantize_fp8_numpy(values: np.ndarray, scale: np.ndarray, out: np.ndarray 
             return out
         scaled = rows * np.float32(2.0**120)
         step = max(1, _BLOCK // h)
-        bits, table = dst.view(np.int32), []
+        bits, table = dst.view(np.uint32), []
         scratch = np.empty((min(step, len(src)), h), np.uint8)
         for a in range(0, len(src), step):
             b, k = bits[a : a + step], min(step, len(src) - a)
-            np.left_shift(src[a : a + step], 24, out=b.view(np.uint32), dtype=np.uint32)  # the byte on top
-            np.right_shift(b, 4, out=b)  # arithmetic: the sign stays on top, copied into bits 27..30
-            np.bitwise_and(b, np.int32(_E4M3_IN_FLOAT32), out=b)  # ... which are cleared
+            # the byte sign-extended (read as int8) then shifted: its sign lands on bit 31 and on bits 27..30 ...
+            np.copyto(b, src[a : a + step].view(np.int8), casting="unsafe")  # a plain cast: no buffered ufunc
+            b <<= 20
+            b &= np.uint32(_E4M3_IN_FLOAT32)  # ... which are cleared
             np.multiply(dst[a : a + step], scaled[a : a + step, None], out=dst[a : a + step])
             if np.bitwise_or(src[a : a + step], 0x80, out=scratch[:k]).max() == 0xFF:  # a NaN (0x7F, 0xFF)
                 table.append(np.arange(a, a + k))
@@ -78,8 +80,8 @@ def dequantize_fp8_numpy(values: np.ndarray, scale: np.ndarray, out: np.ndarray 
     return out
 
 
-_BLOCK = 1 << 16  # elements per block of dequantize_fp8_numpy: 256 KiB of float32, inside a core's L2
-_E4M3_IN_FLOAT32 = -0x78000001  # 0x87FFFFFF: the sign bit, and the 27 bits below the copies of it
+_BLOCK = 1 << 17  # elements per block of dequantize_fp8_numpy: 512 KiB of float32, about a core's L2
+_E4M3_IN_FLOAT32 = 0x87FFFFFF  # bit 31 (the sign) and bits 0..26: what is left of the sign's copies is cleared
 
 
 def _subnormals_are_zero() -> bool:
