@@ -70,8 +70,8 @@ class ShardReadBack:
             try:
                 problem = check_shard(self.out, self.manifest, entry, self.index.rows_of(shard),
                                       self.index.shard_tokens[shard])
-            except OSError as e:  # what check_shard does not name itself
-                problem = f"{self.out / entry.file}: cannot be read back ({e.strerror or e})"
+            except Exception as e:  # what check_shard does not name itself: still a shard not read back
+                problem = f"{self.out / entry.file}: cannot be read back ({getattr(e, 'strerror', None) or e})"
             self.seconds += time.perf_counter() - began
             self.checked += 1
             if problem:
