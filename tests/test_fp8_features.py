@@ -153,3 +153,18 @@ def test_the_fast_dequantizer_gives_the_tables_float32_bits_for_every_e4m3_value
         got = dequantize_fp8_numpy(v, np.ascontiguousarray(s))
         assert got.dtype == np.float32 and got.shape == want.shape
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_quantizing_a_batch_a_few_rows_at_a_time_gives_the_bytes_of_it_at_once(monkeypatch):
+    """On the device a scoring batch is quantized ``QUANTIZE_ROWS`` tokens at a time (its float32 temporaries that
+    size): every value and scale is the one the whole batch gets at once."""
+    from mtp_train.features import tensors
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(100, 2, 64, generator=g) * torch.rand(100, 2, 1, generator=g) * 30).to(torch.bfloat16)
+    x[7] = 0
+    whole_values, whole_scale = tensors.quantize_fp8(x)
+    monkeypatch.setattr(tensors, "QUANTIZE_ROWS", 16)
+    values, scale = tensors.quantize_fp8(x)
+    assert torch.equal(values.view(torch.uint8), whole_values.view(torch.uint8)) and torch.equal(scale, whole_scale)
+    assert torch.equal(scale[7], torch.ones(2))
