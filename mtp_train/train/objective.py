@@ -59,7 +59,9 @@ def validate(head: DraftHead, frozen: FrozenTarget, batches: Iterable[Batch], we
     ``forward`` replaces the head's own forward (the eval passes the runtime's paged implementation). Every
     predicted assistant token counts, whichever ``train.mask_gate`` trained the head.
     """
-    weights = replace(weights, gate_offset=0, anchors=0)  # the predicted assistant tokens, whatever trains; all blocks
+    # the predicted assistant tokens, whatever trains; every block, in chunks of the default size (no activations are
+    # kept without gradients, so the chunk a train.anchors plan sets for training would only slow this down)
+    weights = replace(weights, gate_offset=0, anchors=0, block_rows=0)
     was_training = head.training
     head.eval()
     sums = [[0.0, 0, 0] for _ in range(weights.unroll)]  # loss*count, correct, count
