@@ -224,3 +224,25 @@ def test_the_draft_vocabulary_counts_over_the_vocabulary_once_per_chunk_not_per_
     calls.clear()
     assert torch.equal(vocab.frequent_tokens(reader, 100, 4096), want)
     assert 3 <= len(calls) <= 4
+
+
+def test_ranks_count_the_draft_vocabulary_over_their_own_shards_and_agree(features, monkeypatch):
+    """Over 3 ranks each reads the sequences of its share of the shards only (an online plan encodes a shard to read
+    it), and the summed counts give every rank the ids one rank counting alone picks."""
+    import mtp_train.train.vocab as vocab
+    from mtp_train.features.reader import FeatureReader
+
+    reader = FeatureReader(features[0])
+    shards = list(dict.fromkeys(ref.shard for ref in reader.train))
+    assert len(shards) >= 3, "the fixture's features span several shards"
+    alone = vocab.frequent_tokens(reader, 100, 4096)
+    parts, read = [], {}
+    load = reader.load
+    for rank in range(3):
+        seen = read.setdefault(rank, set())
+        monkeypatch.setattr(reader, "load", lambda ref, seen=seen: seen.add(ref.shard) or load(ref))
+        vocab.frequent_tokens(reader, 100, 4096, rank, 3, lambda c: parts.append(c) or c)
+    assert all(not (read[a] & read[b]) for a in read for b in read if a < b), read
+    assert set().union(*read.values()) == set(shards)
+    summed = sum(parts)
+    assert torch.equal(vocab.frequent_tokens(reader, 100, 4096, 0, 3, lambda c: summed), alone)

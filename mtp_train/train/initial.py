@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
+
 from mtp_train.features.online import Features
 from mtp_train.heads import DraftHead, HeadSpec, build_head
 from mtp_train.heads.frozen import FrozenTarget
@@ -10,13 +14,15 @@ from mtp_train.recipe import Recipe
 from mtp_train.train.vocab import frequent_tokens
 
 
-def initial_head(recipe: Recipe, spec: HeadSpec, frozen: FrozenTarget, reader: Features) -> DraftHead:
-    """An eagle3 head's vocabulary is the most frequent assistant tokens and its lm_head starts as their frozen rows;
-    a dflash head's mask vector starts as the embedding of the id engines write there; ``init: target_last_layer``
-    starts an mtp head's layers as the target's last layer (not eagle: see HeadConfig.init)."""
+def initial_head(recipe: Recipe, spec: HeadSpec, frozen: FrozenTarget, reader: Features, rank: int = 0,
+                 world: int = 1, total: Callable[[torch.Tensor], torch.Tensor] | None = None) -> DraftHead:
+    """An eagle3 head's vocabulary is the most frequent assistant tokens (counted by ``world`` ranks, each its share,
+    summed by ``total``: ``frequent_tokens``) and its lm_head starts as their frozen rows; a dflash head's mask vector
+    starts as the embedding of the id engines write there; ``init: target_last_layer`` starts an mtp head's layers
+    as the target's last layer (not eagle: see HeadConfig.init)."""
     head = build_head(spec)
     if spec.kind == "eagle3":
-        ids = frequent_tokens(reader, spec.draft_vocab, frozen.cfg.vocab_size)
+        ids = frequent_tokens(reader, spec.draft_vocab, frozen.cfg.vocab_size, rank, world, total)
         head.draft_ids.copy_(ids)
         head.lm_head.weight.data.copy_(frozen.lm_head_weight[ids])
     if spec.kind == "dflash":

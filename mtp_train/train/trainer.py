@@ -169,11 +169,12 @@ class Trainer:
         """Build the head, optimizer, schedule and accelerator, resume from ``latest`` when there is one (the log
         trimmed to its step), announce the run and start loading its first micro-batch."""
         recipe, reader, t = inputs.recipe, inputs.reader, inputs.recipe.train
-        torch.manual_seed(recipe.seed)
-        head = initial_head(recipe, inputs.spec, inputs.frozen, reader)
-        optimizer = torch.optim.AdamW(head.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
         accelerator = make_accelerator(recipe)
         world = accelerator.num_processes
+        torch.manual_seed(recipe.seed)
+        total = lambda counts: accelerator.reduce(counts.to(accelerator.device), "sum").cpu()  # noqa: E731
+        head = initial_head(recipe, inputs.spec, inputs.frozen, reader, accelerator.process_index, world, total)
+        optimizer = torch.optim.AdamW(head.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
         frozen = inputs.frozen.to(accelerator.device)  # the head goes there in prepare; frozen parts, batches here
         per_epoch = len(plan_batches(reader.train, t.batch_tokens, recipe.seed, 0)) // (world * t.grad_accum)
         if per_epoch == 0:

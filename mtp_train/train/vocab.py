@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from mtp_train.errors import UserError
@@ -13,20 +15,29 @@ from mtp_train.features.online import Features
 COUNT_TOKENS = 1 << 22  # assistant tokens gathered before each count over the vocabulary
 
 
-def frequent_tokens(reader: Features, n: int, vocab_size: int) -> torch.Tensor:
+def frequent_tokens(reader: Features, n: int, vocab_size: int, rank: int = 0, world: int = 1,
+                    total: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """``[n]`` ascending target ids of the ``n`` most frequent assistant tokens (``loss_mask`` 1) of the training
     features, ties to the smaller id (ids never seen fill up from 0, as SpecForge pads). The ids are counted over
-    the vocabulary once per ``COUNT_TOKENS`` of them, not once per sequence (a 128k-long count each)."""
+    the vocabulary once per ``COUNT_TOKENS`` of them, not once per sequence (a 128k-long count each).
+
+    Over ``world`` ranks each counts the sequences of its share of the shards (shard i to rank ``i % world``: an
+    online plan encodes a shard's rows to read them, so no shard is encoded twice) and ``total`` sums the counts
+    ``[vocab_size]`` int64 over the ranks; every rank then picks the same ids, those of one rank counting alone."""
     counts = torch.zeros(vocab_size, dtype=torch.int64)
     pending: list[torch.Tensor] = []
     gathered = 0
-    for i, ref in enumerate(reader.train):
+    shards: dict[str, int] = {}
+    mine = [ref for ref in reader.train if shards.setdefault(ref.shard, len(shards)) % world == rank]
+    for i, ref in enumerate(mine):
         rows = reader.load(ref)
         pending.append(rows["input_ids"][rows["loss_mask"].bool()])
         gathered += len(pending[-1])
-        if gathered >= COUNT_TOKENS or i == len(reader.train) - 1:
+        if gathered >= COUNT_TOKENS or i == len(mine) - 1:
             counts += torch.bincount(torch.cat(pending).long(), minlength=vocab_size)
             pending, gathered = [], 0
+    if world > 1 and total is not None:
+        counts = total(counts)
     return torch.argsort(counts, descending=True, stable=True)[:n].sort().values
 
 
