@@ -71,19 +71,25 @@ def init_tensor_parallel(size: int, device: torch.device) -> TensorParallel:
             raise UserError(f"target.tp: {size} needs {size} processes (torchrun --nproc_per_node {size}); got {world}")
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         if device.type != "cuda":
-            atexit.register(_let_gloo_settle)
+            settle_gloo_at_exit()
     return TensorParallel(rank=dist.get_rank(), size=dist.get_world_size())
 
 
-def _let_gloo_settle() -> None:
-    """At exit, give gloo's worker threads a moment to drop the collectives they have finished.
+def settle_gloo_at_exit() -> None:
+    """At exit, give gloo's worker threads a moment to drop the collectives they have finished (once per process).
 
     A gloo worker frees a finished collective's tensors after the caller's ``wait`` has returned; torch 2.13's tensors
     made in Python need the GIL to be freed, and a thread that asks for it once the interpreter is finalizing aborts
     the process ("terminate called without an active exception"), after every file was written. Measured with
     ``tests/tp_budget_worker.py`` (the tiny target's TP=2 decode on gloo): about one exit in 25 aborted without this
     pause, none in 200 with it."""
-    time.sleep(0.05)
+    global _settling
+    if not _settling:
+        _settling = True
+        atexit.register(time.sleep, 0.05)
+
+
+_settling = False
 
 
 def tensor_parallel_groups(size: int, rank: int, world: int) -> tuple[TensorParallel, list[int]]:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mtp_train.models.tp import settle_gloo_at_exit
 from mtp_train.recipe import Recipe
 
 if TYPE_CHECKING:
@@ -80,6 +81,7 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # gloo, since NCCL needs CUDA
             kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
+            settle_gloo_at_exit()
     # A second head trained in this process (``eval.compare``) gets its own plugin and precision: accelerate keeps
     # one state per process and refuses a second DeepSpeed plugin. The process group (PartialState) stays.
     AcceleratorState._reset_state(reset_partial_state=False)
