@@ -105,6 +105,92 @@ def test_training_blocks_compute_what_the_runtime_block_computes():
         torch.testing.assert_close(out, trained[i], rtol=1e-4, atol=1e-4)
 
 
+def test_the_drafters_blocks_are_what_the_objective_trains_at_every_k(monkeypatch):
+    """What speculative decoding drafts is what ``block_loss`` scores, anchor by anchor, at every k = 1..B-1.
+
+    The runtime side is the drafter's own path: ``features`` of the aux layers' states, ``forward`` of a prefill's
+    feed (the context in the draft's pages), then ``block_logits`` (the first token's embedding and mask vectors after
+    it, the rows it reads) for sequences ending at anchors of two documents, in one batch at each k and once with a
+    k of its own per sequence. The training side is the objective itself: the lm_head inputs ``block_loss`` scores
+    against each label's teacher row (a row's top-1 id is its own index, so it names the label), made logits as its
+    loss makes them. The runtime runs a block of 1 + k at k drafts (as vLLM does), so at k < B - 1 the objective
+    runs blocks of 1 + k; at k = B - 1 it is the trained block."""
+    import bisect
+    import dataclasses
+
+    from mtp_train.runtime.sampling import SamplingParams
+    from mtp_train.runtime.sequence import Sequence
+    from mtp_train.train import blocks
+    from mtp_train.train.data import Batch
+    from mtp_train.train.loss import LossWeights, vocab_terms
+
+    frozen = FrozenTarget.load(TINY_TARGET)
+    head = _head(frozen)
+    spec, h, v = head.spec, frozen.cfg.hidden_size, frozen.cfg.vocab_size
+    cu = [0, 14, 25]
+    n = cu[-1]
+    torch.manual_seed(2)
+    tokens, aux = torch.randint(0, v, (n,)), torch.randn(n, 3 * h)
+    batch = Batch(tokens, torch.randn(n, h), torch.ones(n, dtype=torch.bool), torch.zeros(n, 1),
+                  torch.arange(n)[:, None], torch.full((n,), -3.0), cu, aux)
+
+    def trained(size: int) -> dict[tuple[int, int, int], torch.Tensor]:
+        """``block_loss`` over blocks of ``size``: (document, anchor, block position j) -> the logits ``[V]`` it
+        scores against the target's distribution of t_{a+j}."""
+        calls = []
+
+        def scored(frozen_, x, teacher, exact):
+            calls.append((x, teacher[1][:, 0]))
+            return vocab_terms(frozen_, x, teacher, exact)
+
+        monkeypatch.setattr(blocks, "vocab_terms", scored)
+        monkeypatch.setattr(head, "spec", dataclasses.replace(spec, block_size=size))
+        with torch.no_grad():
+            blocks.block_loss(head, frozen, batch, LossWeights(0.0, 1.0, size - 1, 0.8, "topk"))
+        monkeypatch.undo()
+        assert len(calls) == size - 1, "one chunk: block positions 1..size-1 in order"
+        out = {}
+        for j, (x, rows) in enumerate(calls, 1):
+            for logits, row in zip(frozen.logits(x), rows.tolist()):
+                label = row + 1  # the teacher at row i is the target's distribution of t_{i+1}
+                d = bisect.bisect_right(cu, label) - 1
+                out[d, label - cu[d] - j, j] = logits
+        return out
+
+    engine = Engine.from_pretrained(TINY_TARGET, page_size=4)
+    drafter = BlockDrafter(engine, head)
+    anchors = [(0, a) for a in (1, 3, 6, 9, 12)] + [(1, a) for a in (1, 4, 7, 9)]
+    seqs = [Sequence(i, tokens[cu[d] : cu[d] + a + 1].tolist(), SamplingParams(), frozenset(), a + 1)
+            for i, (d, a) in enumerate(anchors)]
+    with torch.no_grad():  # the prefill: the target read t_0..t_{a-1} of each and sampled t_a
+        states = drafter.features(torch.zeros(n, h), list(aux.split(h, dim=-1)))
+        feeds = [drafter.feed(seq, 0, 0, states[cu[d] : cu[d] + a]) for seq, (d, a) in zip(seqs, anchors)]
+        for f in feeds:
+            drafter.allocator.reserve(f.seq.draft_pages, len(f.tokens))
+        drafter.forward(feeds)
+
+    def drafted(ks: list[int]) -> torch.Tensor:
+        """One speculative step's drafts, ``ks[b]`` for sequence b -> ``[S, max(ks), V]``."""
+        for seq, k in zip(seqs, ks):
+            drafter.allocator.truncate(seq.draft_pages, drafter.valid(seq))
+            drafter.allocator.reserve(seq.draft_pages, k + 1)
+        with torch.no_grad():
+            return drafter.block_logits(list(zip(seqs, ks)), max(ks))
+
+    want = {k: trained(k + 1) for k in range(1, BLOCK)}
+    mixed = [1 + b % (BLOCK - 1) for b in range(len(seqs))]
+    compared = 0
+    for ks in [[k] * len(seqs) for k in range(1, BLOCK)] + [mixed]:
+        got = drafted(ks)
+        for b, ((d, a), k) in enumerate(zip(anchors, ks)):
+            for j in range(1, k + 1):
+                if (d, a, j) in want[k]:  # (t_{a+j} lies in the document)
+                    torch.testing.assert_close(got[b, j - 1], want[k][d, a, j], rtol=1e-4, atol=1e-4,
+                                               msg=lambda m: f"k={k}, document {d}, anchor {a}, draft {j}: {m}")
+                    compared += 1
+    assert compared > 80
+
+
 def test_blocks_in_chunks_give_the_loss_and_gradients_of_one_forward():
     """``block_loss`` a few anchors at a time (each chunk over its own documents' context rows, checkpointed: made
     again in backward) gives the loss, per-position metrics and gradients of every block in one forward."""
