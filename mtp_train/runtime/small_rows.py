@@ -11,10 +11,14 @@
 The library is compiled with
 ``torch.utils.cpp_extension`` (g++ and ninja, both installed with the project's environment) for this machine
 (``-march=native``, ``-fopenmp`` for torch's threads) into ``$XDG_CACHE_HOME/mtp-train/`` (``~/.cache`` by default;
-``MTP_TRAIN_KERNEL_DIR`` overrides it), keyed by the sources, the flags, torch's version and the CPU's instruction
-set, so a build is reused and never loaded on a machine it was not built for; a build is finished in a scratch
-directory and then renamed into place, so no process ever waits on another's lock (see ``library``). Where the
-build fails (no compiler, say), one warning names the reason and the engine runs on BLAS alone.
+``MTP_TRAIN_KERNEL_DIR`` overrides it), keyed by the sources, the flags, torch's version, the CPU's model and
+instruction-set flags (/proc/cpuinfo's, not torch's capability label: a home directory shared by two CPU
+generations must not hand one's build to the other) and the compiler (its path and ``--version``), so a build is
+reused and never loaded on a machine it was not built for; a build is finished in a scratch directory and then
+renamed into place, so no process ever waits on another's lock (see ``library``). Where the build fails (no
+compiler, say), one warning names the reason and the engine runs on BLAS alone; the failure is remembered for that
+key in a marker file beside the build directory (``failure_marker``), so that later processes do not compile again
+to fail again: they warn once, naming the marker, which is deleted to retry.
 """
 
 from __future__ import annotations
@@ -59,6 +63,13 @@ def build_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mtp-train"
 
 
+def _reason(output: str) -> str:
+    """The line of a failed build's output that says why: the first compiler error or missing program, else the
+    last line."""
+    lines = [line.strip() for line in output.strip().splitlines() if line.strip()]
+    return next((line for line in lines if "error:" in line or "not found" in line), lines[-1] if lines else "")
+
+
 def library(where: Path) -> Path:
     """The built kernel in ``where``, compiling it first if ``where`` holds none.
 
@@ -74,12 +85,12 @@ def library(where: Path) -> Path:
         if time.time() - stale.stat().st_mtime > 3600:
             shutil.rmtree(stale, ignore_errors=True)
     scratch = Path(tempfile.mkdtemp(prefix=f"{where.name}.build-", dir=where.parent))
+    log.info("building the CPU kernels in %s (about a minute, once per CPU and compiler)", where)
     try:
         done = subprocess.run([sys.executable, "-c", _BUILD, ",".join(map(str, SOURCES)), str(scratch), " ".join(FLAGS)],
                               capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:
-            lines = (done.stderr or done.stdout).strip().splitlines()
-            raise RuntimeError(lines[-1] if lines else f"the build exited with status {done.returncode}")
+            raise RuntimeError(_reason(done.stderr or done.stdout) or f"the build exited with status {done.returncode}")
         (scratch / "lock").unlink(missing_ok=True)
         scratch.chmod(0o755)  # mkdtemp's is 0o700
         if where.exists() and not (where / LIBRARY).is_file():
@@ -94,13 +105,72 @@ def library(where: Path) -> Path:
     return where / LIBRARY
 
 
-def kernel_dir() -> Path:
-    """Where this source, torch version and CPU's build lives (or will)."""
+def cpu_identity(cpuinfo: str | None = None) -> str:
+    """What ``-march=native`` compiles for: the first processor's model and instruction-set flags in ``cpuinfo``
+    (/proc/cpuinfo's text by default), or the platform's machine and processor names where it has neither."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    found: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key in ("vendor_id", "model name", "flags", "CPU implementer", "CPU part", "Features") and key not in found:
+            found[key] = " ".join(value.split())
+    if not found:
+        return f"{platform.machine()} {platform.processor()}"
+    return "; ".join(f"{key}: {value}" for key, value in sorted(found.items()))
+
+
+def compiler_identity(cxx: str | None = None) -> str:
+    """The C++ compiler torch's builder runs (``cxx``; by default ``CXX``, else ``c++``, as torch chooses): its path
+    and the first line of its ``--version``, or its name and "not found"."""
+    cxx = cxx if cxx is not None else os.environ.get("CXX", "c++")
+    path = shutil.which(cxx)
+    if path is None:
+        return f"{cxx} not found"
+    try:
+        done = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60)
+        version = (done.stdout or done.stderr).strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError) as err:
+        version = f"no version ({type(err).__name__})"
+    return f"{path} {version}"
+
+
+def kernel_dir(cpuinfo: str | None = None, compiler: str | None = None) -> Path:
+    """Where the build of these sources, flags and torch version by this compiler for this CPU lives (or will):
+    ``cpuinfo`` (/proc/cpuinfo's text) and ``compiler`` (``compiler_identity``'s line) are this machine's by
+    default."""
+    cpu = cpu_identity(cpuinfo)
+    compiler = compiler if compiler is not None else compiler_identity()
     # "scratch-then-rename" keeps apart the directories torch's builder wrote in place before ``library`` existed
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in (*SOURCES, HEADER)) + f"{torch.__version__} {platform.machine()} "
-                         f"{torch.backends.cpu.get_cpu_capability()} {' '.join(FLAGS)} scratch-then-rename"
-                         .encode()).hexdigest()[:12]
+    sources = b"".join(p.read_bytes() for p in (*SOURCES, HEADER))
+    key = hashlib.sha256(sources + f"{torch.__version__} {platform.machine()} {cpu} {compiler} {' '.join(FLAGS)} "
+                         "scratch-then-rename".encode()).hexdigest()[:12]
     return build_dir() / f"small_rows-{key}"
+
+
+def failure_marker(where: Path) -> Path:
+    """The file that remembers a failed build of ``where`` (it holds the reason); deleting it makes the next
+    process try again."""
+    return where.with_name(f"{where.name}.failed")
+
+
+def _remember_failure(marker: Path, reason: str) -> None:
+    """Write ``reason`` to ``marker`` whole or not at all (a temporary file renamed into place); a cache directory
+    that cannot be written to only means the next process tries again."""
+    temporary = None
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        fd, temporary = tempfile.mkstemp(prefix=f"{marker.name}.", dir=marker.parent)
+        with os.fdopen(fd, "w") as out:
+            out.write(reason + "\n")
+        os.replace(temporary, marker)
+    except OSError:
+        if temporary is not None:
+            Path(temporary).unlink(missing_ok=True)
 
 
 @cache
@@ -108,11 +178,22 @@ def kernel() -> object | None:
     """The loaded matmul ops (``kernel().pack``, ``kernel().linear``; ``attend`` is loaded with them), or ``None``
     where the library cannot be built."""
     where = kernel_dir()
+    marker = failure_marker(where)
+    try:
+        reason = marker.read_text().strip()  # failed before for this key: compiling again would fail again, slowly
+    except OSError:
+        reason = None
+    if reason is not None:
+        log.warning("CPU small-row kernel not built: its build failed before for this CPU and compiler (%s); decode "
+                    "runs on BLAS alone (delete %s to retry)", reason, marker)
+        return None
     try:
         torch.ops.load_library(str(library(where)))
     except Exception as err:  # a missing compiler or ninja, or a build past its time: BLAS alone runs everything
-        message = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
-        log.warning("CPU small-row kernel not built in %s (%s); decode runs on BLAS alone", where, message)
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        _remember_failure(marker, reason)
+        log.warning("CPU small-row kernel not built in %s (%s); decode runs on BLAS alone, and later processes "
+                    "will not retry until %s is deleted", where, reason, marker)
         return None
     return torch.ops.mtp_small_rows
 
