@@ -71,3 +71,59 @@ def test_every_repository_path_the_readme_names_exists():
     assert "recipes/tiny.yaml" in named
     missing = sorted(p for p in named if not (REPO / p).exists())
     assert not missing, f"README.md names paths that do not exist: {missing}"
+
+
+RESULTS = (REPO / "bench" / "RESULTS.md").read_text()
+# A figure is a number standing on its own: digits, thousands groups and decimals (12,057, 0.255, the 1.13 of
+# 1.13× or 2.26x), never part of a name or identifier (SmolLM2, bf16, Llama-3-70B, top-32, 1e-4).
+FIGURE = re.compile(r"(?<![\w.])(?<!\w-)\d+(?:,\d{3})*(?:\.\d+)?(?!(?!x\b)\w|[.,]\d|-\w)")
+
+
+def _figures(text: str) -> set[str]:
+    return set(FIGURE.findall(text))
+
+
+def _results_rows() -> list[list[str]]:
+    section = README.split("\n## Results\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line.strip().strip("|").split("|") for line in section.splitlines() if line.startswith("|")]
+    assert len(rows) > 2 and set(rows[1][0].strip()) <= set("-:"), "README's results table lost its header"
+    rows = [[cell.strip() for cell in row] for row in rows[2:]]
+    assert all(len(row) == 3 for row in rows), "a row of README's results table has other than three cells"
+    return rows
+
+
+def _results_sections() -> dict[str, str]:
+    """bench/RESULTS.md's `##` and `###` sections by heading, outside code blocks; a section's text runs from its
+    heading to the next heading of its own level or above, so it holds its subsections."""
+    lines, heads, fenced = RESULTS.splitlines(), [], False
+    for i, line in enumerate(lines):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced and (m := re.match(r"(#+) (.+)", line)):
+            heads.append((i, len(m[1]), m[2].strip()))
+    sections = {}
+    for n, (i, level, heading) in enumerate(heads):
+        end = next((j for j, other, _ in heads[n + 1:] if other <= level), len(lines))
+        if level in (2, 3):
+            sections[heading] = "\n".join(lines[i:end])
+    return sections
+
+
+def test_every_results_row_cites_a_section_that_holds_its_figures():
+    """Each row of the README's results table names, in its last column, the one `##` or `###` heading of
+    bench/RESULTS.md that starts with that name, and every figure of the row's first two cells (what was measured,
+    with its settings, and the result) appears as a figure in that section's text. Settings count too (k = 1..4,
+    61 min, 1,280 answers): a row may quote only what its section says, verbatim, rounding included."""
+    sections = _results_sections()
+    rows = _results_rows()
+    assert len(rows) >= 5, "README's results table has fewer than five rows"
+    problems = []
+    for what, result, cited in rows:
+        matches = [heading for heading in sections if heading.startswith(cited)]
+        if len(matches) != 1:
+            problems.append(f"{cited!r}: {len(matches)} headings of bench/RESULTS.md start with it ({matches})")
+            continue
+        missing = sorted(_figures(what + " " + result) - _figures(sections[matches[0]]))
+        if missing:
+            problems.append(f"{cited!r}: figures not in that section: {missing}")
+    assert not problems, "README's results table and bench/RESULTS.md disagree:\n" + "\n".join(problems)
