@@ -149,7 +149,8 @@ class HeadConfig(Section):
     num_layers: PositiveInt = Field(1, description="Decoder layers in the head (an `eagle3` head has 1).")
     block_size: int = Field(
         9, ge=2, description="`dflash`: positions of a training block, its first token and `block_size - 1` masks; it "
-        "drafts up to `block_size - 1` tokens (the runtime and vLLM run a block of `1 + k` at k drafts).",
+        "drafts up to `block_size - 1` tokens (the runtime and vLLM run a block of `1 + k` at k drafts): a longer "
+        "`eval.k` or `eval.trees` depth is refused.",
     )
     mask_token_id: NonNegativeInt | None = Field(
         None, description="`dflash`: the token id an engine writes in the mask positions (the head trains a mask "
@@ -255,6 +256,24 @@ class Recipe(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
 
+    @model_validator(mode="after")
+    def _dflash_drafts_within_its_block(self) -> Recipe:
+        """A dflash head trains block positions 1..block_size-1 only: the eval (its head, or a dflash comparison)
+        may not draft past them, in a chain (``eval.k``) or a tree (``eval.trees``' depth)."""
+        head = self.eval.draft == "head" and self.eval.draft_model is None and self.head.kind == "dflash"
+        if not head and "dflash" not in self.eval.compare:
+            return self
+        size = self.head.block_size
+        trained = f"past what a dflash head of head.block_size {size} trains (draft positions 1..{size - 1})"
+        if max(self.eval.k) >= size:
+            raise ValueError(f"eval.k: k = {max(self.eval.k)} drafts {trained}; lower eval.k to at most {size - 1}, "
+                             f"or set head.block_size to at least {max(self.eval.k) + 1} and train again")
+        deepest = max((t.depth for t in self.eval.trees), default=0)
+        if deepest >= size:
+            raise ValueError(f"eval.trees: depth {deepest} drafts {trained}; lower the depth to at most {size - 1}, "
+                             f"or set head.block_size to at least {deepest + 1} and train again")
+        return self
+
     # Every path a run writes, in one place.
     @property
     def features_dir(self) -> Path:
@@ -287,7 +306,7 @@ class Recipe(Section):
 def _format_error(source: str, err: ValidationError) -> str:
     parts = []
     for e in err.errors():
-        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        where = ".".join(str(p) for p in e["loc"])
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown key; check its spelling against the recipe reference in docs/recipes.md"
@@ -295,7 +314,7 @@ def _format_error(source: str, err: ValidationError) -> str:
             msg = "required field is missing"
         elif "input" in e and not isinstance(e["input"], (dict, list)):
             msg += f" (got {e['input']!r})"
-        parts.append(f"{where}: {msg}")
+        parts.append(f"{where}: {msg}" if where else msg)  # (a rule across sections names its fields itself)
     return f"{source}: " + "; ".join(parts)
 
 

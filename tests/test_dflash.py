@@ -191,6 +191,21 @@ def test_the_drafters_blocks_are_what_the_objective_trains_at_every_k(monkeypatc
     assert compared > 80
 
 
+def test_a_draft_past_the_trained_block_is_refused():
+    """k >= head.block_size drafts at block positions never trained: the recipe refuses it when loaded (``--dry-run``
+    too, in one line), and the drafter refuses a head trained with fewer positions than the eval asks of it."""
+    from conftest import TINY_RECIPE
+    from mtp_train.errors import UserError
+
+    proc = run_cli(TINY_RECIPE, "--dry-run", "head.kind=dflash", f"head.block_size={BLOCK}", f"eval.k=[2,{BLOCK}]")
+    assert_one_line_user_error(proc, f"eval.k: k = {BLOCK} drafts", f"head.block_size {BLOCK}",
+                               f"at most {BLOCK - 1}")
+    engine = Engine.from_pretrained(TINY_TARGET, page_size=16, max_seqs=1)
+    decoder = SpeculativeDecoder(engine, BlockDrafter(engine, _head(FrozenTarget.load(TINY_TARGET))), BLOCK)
+    with pytest.raises(UserError, match=rf"^eval.k: k = {BLOCK} drafts .*head.block_size {BLOCK}"):
+        decoder.generate([[0, 5, 300, 301, 302, 6]], GREEDY)
+
+
 def test_blocks_in_chunks_give_the_loss_and_gradients_of_one_forward():
     """``block_loss`` a few anchors at a time (each chunk over its own documents' context rows, checkpointed: made
     again in backward) gives the loss, per-position metrics and gradients of every block in one forward."""

@@ -50,7 +50,8 @@ def test_the_dflash_plan_counts_the_anchors_train_anchors_sets():
 def test_the_dflash_terms_are_what_a_real_forward_of_blocks_keeps():
     """Measured on the meta device per context row and per block row; a real CPU forward over two documents at some
     anchors keeps exactly that."""
-    recipe = load_recipe(TINY_RECIPE, ["head.kind=dflash", "head.aux_layers=[1,2,3]", "head.block_size=4"])
+    recipe = load_recipe(TINY_RECIPE, ["head.kind=dflash", "head.aux_layers=[1,2,3]", "head.block_size=4",
+                                       "eval.k=[1,2,3]", "eval.trees=[]"])  # (blocks of 4 draft 3 at most)
     cfg = _config(TINY_TARGET / "config.json")
     per_context_row, per_block_row = dflash_activation_terms(recipe, cfg)
     anchors = [torch.tensor([0, 5, 9, 30]), torch.tensor([3, 4, 17])]

@@ -105,6 +105,31 @@ def test_cross_field_rule_both_loss_weights_zero():
         load_recipe(TINY_RECIPE, ["train.w_hidden=0", "train.w_logits=0"])
 
 
+@pytest.mark.parametrize("overrides, field", [
+    (["head.kind=dflash", "head.block_size=4", "eval.trees=[]"], "eval.k"),  # tiny's k [1, 2, 3, 4]
+    (["head.kind=mtp", "eval.compare=[dflash]", "head.block_size=3", "eval.k=[1,2]"], "eval.trees"),  # depth 4
+    (["head.kind=eagle", "eval.compare=[dflash]", "eval.k=[1,9]"], "eval.k"),  # the default blocks of 9
+])
+def test_a_dflash_draft_longer_than_its_trained_block_is_refused(overrides, field):
+    """A dflash head trains block positions 1..block_size-1 only: a draft past them (a chain's k, a tree's depth) is
+    refused when the recipe is loaded, for the head and for a dflash comparison alike."""
+    with pytest.raises(UserError) as e:
+        load_recipe(TINY_RECIPE, overrides)
+    message = str(e.value)
+    assert message.startswith(f"{TINY_RECIPE}: {field}: ") and "head.block_size" in message
+    assert "\n" not in message and "(top level)" not in message
+
+
+@pytest.mark.parametrize("overrides", [
+    ["head.kind=dflash", "head.block_size=5"],  # k up to 4 and depth 4: positions it trained
+    ["head.kind=dflash", "head.block_size=3", "eval.draft=target_mtp", "eval.trees=[]"],  # the head drafts nothing
+    ["head.kind=dflash", "head.block_size=3", f"eval.draft_model={TINY_TARGET}", "eval.trees=[]"],
+    ["head.kind=mtp", "head.block_size=2", "eval.k=[1,5]"],  # no dflash draft: block_size is unused
+])
+def test_dflash_drafts_within_the_trained_block_or_no_dflash_draft_are_accepted(overrides):
+    load_recipe(TINY_RECIPE, overrides)
+
+
 def test_missing_required_field(tmp_path):
     data = tiny_data()
     del data["target"]["path"]

@@ -276,6 +276,10 @@ class BlockDrafter(HeadDrafter):
     def block_logits(self, batch: list[tuple[Sequence, int]], k: int) -> torch.Tensor:
         """Leader: one forward over each sequence's block ``[t_{n-1}, mask x k_b]`` (pages reserved) -> the logits
         of its drafts ``[B, k, V]`` float32 (row b's first ``k_b``; the rest repeat its last, never read)."""
+        size = self.head.spec.block_size  # (the recipe refuses a longer draft; this catches a head trained otherwise)
+        if k >= size:
+            raise UserError(f"eval.k: k = {k} drafts past what the dflash head trained (head.block_size {size}: draft "
+                            f"positions 1..{size - 1}); lower eval.k (and eval.trees' depth) to at most {size - 1}")
         seqs = [seq for seq, _ in batch]
         blocks = [[seq.tokens[-1]] + [self.head.spec.mask_token_id] * k_b for seq, k_b in batch]
         meta = build_batch(blocks, [self.valid(seq) for seq in seqs], [seq.draft_pages.pages for seq in seqs],
