@@ -18,6 +18,7 @@ from mtp_train.heads import DraftHead
 from mtp_train.models.config import ModelConfig
 from mtp_train.models.transformer import Transformer
 from mtp_train.recipe import Recipe
+from mtp_train.recipe_eval import EvalConfig
 from mtp_train.runtime.drafters import Drafter, HeadDrafter, head_drafter
 from mtp_train.runtime.engine import Engine, default_stop_ids, kv_budget, reserved_for
 from mtp_train.runtime.kv_cache import KVPool
@@ -116,7 +117,7 @@ def eval_prompts(recipe: Recipe, engine: Engine) -> tuple[list[EvalPrompt], list
         if name == "heldout":
             kwargs = heldout_rows(recipe)
         prompts += load_prompt_set(name, max_prompts=e.max_prompts, seed=recipe.seed, **kwargs)
-    room = engine.cfg.max_positions - e.max_new_tokens - max(e.k) - 2
+    room = prompt_room(engine.cfg, e)
     kept, ids, skipped = [], [], 0
     for p in prompts:
         tokens = render_prompt(tokenizer, p.messages)
@@ -126,9 +127,49 @@ def eval_prompts(recipe: Recipe, engine: Engine) -> tuple[list[EvalPrompt], list
         kept.append(p)
         ids.append(tokens)
     if not kept:
-        raise UserError(f"eval.prompt_sets: no prompt fits the target's {engine.cfg.max_positions} positions with "
-                        f"eval.max_new_tokens={e.max_new_tokens}")
+        raise no_prompt_fits(engine.cfg, e)
     return kept, ids, skipped, tokenizer
+
+
+def prompt_room(cfg: ModelConfig, e: EvalConfig) -> int:
+    """The most prompt tokens that fit the target's positions with an answer of ``eval.max_new_tokens`` and the longest
+    chain's drafts (``e``: the recipe's eval section)."""
+    return cfg.max_positions - e.max_new_tokens - max(e.k) - 2
+
+
+def no_prompt_fits(cfg: ModelConfig, e: EvalConfig) -> UserError:
+    return UserError(f"eval.prompt_sets: no prompt fits the target's {cfg.max_positions} positions with "
+                     f"eval.max_new_tokens={e.max_new_tokens}")
+
+
+NO_HELDOUT = "eval.prompt_sets: `heldout` needs data.heldout_rows > 0 at precompute time"
+
+
+def check_recipe(recipe: Recipe, cfg: ModelConfig) -> None:
+    """The eval's refusals that the recipe and the configs of the checkpoints it names (the target's, ``cfg``, and a
+    draft model's) decide alone, which ``mtp_train.pipeline.check_recipe`` makes before any stage runs: the target's
+    attention backend, a draft model's vocabulary, the target's own MTP layers when they draft, trees on a target they
+    are not wired for, the held-out prompts of a recipe that holds none out, and prompts with no room left."""
+    from mtp_train.hf_checkpoint import find_checkpoint
+    from mtp_train.runtime.attention import check_latent
+    from mtp_train.runtime.drafters import check_draft_vocab
+    from mtp_train.runtime.tree_decoder import check_trees
+    from mtp_train.train.checkpoint import target_mtp_layers
+
+    e = recipe.eval
+    check_latent(recipe.target.attention_backend, cfg.mla is not None)
+    if e.draft_model is not None:
+        draft = find_checkpoint(e.draft_model, "eval.draft_model")
+        check_draft_vocab(ModelConfig.from_hf(draft.config, str(draft.root / "config.json")).vocab_size,
+                          cfg.vocab_size)
+    if (e.draft == "target_mtp" and e.draft_model is None) or "target_mtp" in e.compare:
+        target_mtp_layers(recipe.target.path, cfg)
+    if e.trees:
+        check_trees(cfg)
+    if "heldout" in e.prompt_sets and recipe.data.heldout_rows == 0:
+        raise UserError(NO_HELDOUT)
+    if prompt_room(cfg, e) < 1:
+        raise no_prompt_fits(cfg, e)
 
 
 def heldout_rows(recipe: Recipe) -> dict[str, Any]:
@@ -141,7 +182,7 @@ def heldout_rows(recipe: Recipe) -> dict[str, Any]:
         raise UserError(f"{manifest_file} not found; the `heldout` prompt set needs `mtp-train precompute` first")
     ids = load_manifest(manifest_file).heldout_row_ids
     if not ids:
-        raise UserError("eval.prompt_sets: `heldout` needs data.heldout_rows > 0 at precompute time")
+        raise UserError(NO_HELDOUT)
     wanted = set(ids)
     d = recipe.data
     rows = [r for r in load_rows(d.train, d.format, d.skip_bad_rows, d.max_rows).rows if r.row_id in wanted]

@@ -115,8 +115,8 @@ def _add_slurm_parser(sub) -> None:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    from mtp_train.pipeline import (STAGE_BY_NAME, STAGES, check_data, check_inputs, check_memory, memory_text,
-                                    plan_text)
+    from mtp_train.pipeline import (STAGE_BY_NAME, STAGES, check_data, check_inputs, check_memory, check_recipe,
+                                    memory_text, plan_text)
     from mtp_train.recipe import load_recipe, recipe_to_yaml
 
     if args.command == "verify":
@@ -125,10 +125,13 @@ def _dispatch(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
     check_inputs(recipe)
     if args.command == "slurm":
+        check_recipe(recipe, STAGES)  # what a job would refuse from the recipe: refused before any is queued
         if not args.cpu:  # the jobs would refuse at their start on the GPUs: refuse before queueing them
             check_memory(recipe, STAGES)
         return _slurm(args, recipe)
     stages = STAGES if args.command == "run" else (STAGE_BY_NAME[args.command],)
+    # Every refusal a planned stage makes from the recipe alone, before the first stage runs (and in a dry run).
+    check_recipe(recipe, stages, getattr(args, "export_format", None))
     if args.dry_run:
         disk = check_data(recipe, stages)
         check_memory(recipe, stages)

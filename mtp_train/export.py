@@ -65,12 +65,7 @@ def export_head(recipe: Recipe, fmt: str, out: Path | None = None) -> Path:
         raise UserError(f"{root}: no trained {recipe.head.kind} head; run `mtp-train train` first")
     head = load_trained_head(root, recipe.target.path, target)  # another target, hidden size or vocabulary: refused
     spec = head.spec
-    if spec.kind == "dflash" and fmt != "vllm":
-        raise UserError(f"--format {fmt}: {root} is a dflash head; it exports for vLLM's DFlash loader "
-                        "(--format vllm)")
-    if fmt == "speculators" and spec.kind != "eagle3":
-        raise UserError(f"--format speculators: {root} is an {spec.kind} head; the speculators format holds eagle3 "
-                        "heads here (train head.kind=eagle3), or export this one with --format vllm or sglang")
+    check_format(spec.kind, target.family, fmt, root)
     _check_servable(spec.kind, spec.choices, target.family, "vllm" if fmt == "speculators" else fmt, root)
 
     out = out or recipe.export_dir(fmt)
@@ -96,10 +91,18 @@ def export_head(recipe: Recipe, fmt: str, out: Path | None = None) -> Path:
     return out
 
 
-def _check_servable(kind: str, head, family: str, fmt: str, root: Path) -> None:
-    engine = ENGINE_NAMES[fmt]
-    if fmt in served_by(kind, head, family):
-        return
+def check_format(kind: str, family: str, fmt: str, root: Path) -> None:
+    """Refuse ``fmt`` for the ``kind`` head at ``root`` on a ``family`` target where no engine of the format loads it:
+    the recipe (``head.kind``), the target's config and ``--format`` decide it alone, so
+    ``mtp_train.pipeline.check_recipe`` refuses it before the export runs. (The conventions the head was trained in
+    are its own config.json's: ``_check_servable``.)"""
+    if kind == "dflash" and fmt != "vllm":
+        raise UserError(f"--format {fmt}: {root} is a dflash head; it exports for vLLM's DFlash loader "
+                        "(--format vllm)")
+    if fmt == "speculators" and kind != "eagle3":
+        raise UserError(f"--format speculators: {root} is an {kind} head; the speculators format holds eagle3 "
+                        "heads here (train head.kind=eagle3), or export this one with --format vllm or sglang")
+    engine = ENGINE_NAMES["vllm" if fmt == "speculators" else fmt]
     if family not in LOADER_FAMILIES[kind]:
         if kind == "mtp":
             raise UserError(f"{root}: an mtp head on a {family} target cannot be exported for {engine}: no serving "
@@ -110,6 +113,14 @@ def _check_servable(kind: str, head, family: str, fmt: str, root: Path) -> None:
         raise UserError(f"{root}: {engine}'s EAGLE-1 loader builds a Llama decoder layer; a {family} target's head "
                         "(its decoder layer) would not load there as trained; serve it with this runtime "
                         "(`mtp-train eval`)")
+
+
+def _check_servable(kind: str, head, family: str, fmt: str, root: Path) -> None:
+    """Refuse a head (of ``check_format``'s kinds and families) trained in other conventions than ``fmt``'s engine
+    runs it with."""
+    engine = ENGINE_NAMES[fmt]
+    if fmt in served_by(kind, head, family):
+        return
     want = choices(kind, fmt)
     raise UserError(f"{root}/config.json: the head was trained in other conventions than {engine} runs it with: it "
                     f"{head.describe()}, {engine} {want.describe()}; train it again with head.convention={fmt}")

@@ -46,10 +46,8 @@ def _with_head(recipe: Recipe, kind: str) -> Recipe:
 
 def head_kinds(recipe: Recipe) -> list[str]:
     """``head.kind`` first (unless the eval's draft is the target's own MTP layer), then the head kinds that
-    ``eval.compare`` asks to compare against."""
-    first = [recipe.head.kind] if recipe.eval.draft == "head" else []
-    heads = ("mtp", "eagle", "eagle3", "dflash")
-    return first + [k for k in dict.fromkeys(recipe.eval.compare) if k in heads and k not in first]
+    ``eval.compare`` asks to compare against (``Recipe.head_kinds``)."""
+    return recipe.head_kinds()
 
 
 def _aux_kinds(recipe: Recipe) -> str:
@@ -122,6 +120,34 @@ def check_inputs(recipe: Recipe) -> None:
     """Checks that need the files the recipe names, but no heavy imports."""
     ckpt = find_checkpoint(recipe.target.path)
     check_target(ckpt, recipe.target.tp)
+
+
+def check_recipe(recipe: Recipe, stages: tuple[Stage, ...], export_format: str | None = None) -> None:
+    """Every refusal that a planned stage makes from the recipe and the target's config.json alone (with a draft
+    model's config, and export's ``--format``), made before anything runs: by ``--dry-run``, by ``mtp-train slurm``
+    before it queues a job, and at the start of every run, so that no stage runs before a later one refuses. The
+    relations between recipe fields alone are the recipe's validators (``load_recipe`` has refused those already);
+    these read the target's config. Each is the stage's own check, called here: the stage makes it again when it runs.
+    ``tests/test_dry_run.py`` runs each through ``--dry-run``, and its guard holds every other refusal of the stages
+    with the reason it is not the recipe's."""
+    cfg, names = _target_config(recipe), {stage.name for stage in stages}
+    if "precompute" in names:
+        from mtp_train.precompute.run import check_recipe as check_precompute
+
+        check_precompute(recipe, cfg)
+    if "train" in names:
+        from mtp_train.train.trainer import check_recipe as check_train
+
+        for kind in head_kinds(recipe):
+            check_train(_with_head(recipe, kind), cfg)
+    if "eval" in names:
+        from mtp_train.eval.loading import check_recipe as check_eval
+
+        check_eval(recipe, cfg)
+    if "export" in names and export_format is not None:
+        from mtp_train.export import check_format
+
+        check_format(recipe.head.kind, cfg.family, export_format, recipe.head_dir())
 
 
 def check_data(recipe: Recipe, stages: tuple[Stage, ...]) -> list[str]:

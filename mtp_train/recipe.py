@@ -7,7 +7,7 @@ directory of the recipe file, so a recipe means the same thing from any working 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import (
@@ -274,6 +274,30 @@ class Recipe(Section):
                              f"or set head.block_size to at least {deepest + 1} and train again")
         return self
 
+    def head_kinds(self) -> list[str]:
+        """The head kinds the train stage trains: ``head.kind`` first (unless the eval's draft is the target's own MTP
+        layer), then the head kinds that ``eval.compare`` asks to compare against."""
+        first = [self.head.kind] if self.eval.draft == "head" else []
+        return first + [k for k in dict.fromkeys(self.eval.compare) if k in HEAD_KINDS and k not in first]
+
+    @model_validator(mode="after")
+    def _trained_heads_take_the_train_settings(self) -> Recipe:
+        """``train`` and ``head`` settings that a head the train stage trains (``head_kinds``) cannot take: refused
+        when the recipe is read, so that ``--dry-run`` refuses them and no stage runs first."""
+        kinds = self.head_kinds()
+
+        def named(kind: str) -> str:
+            return (f"head.kind {kind}" if self.eval.draft == "head" and kind == self.head.kind
+                    else f"eval.compare trains {kind}")
+
+        if "dflash" in kinds and self.train.mask_gate == "input":
+            raise ValueError("train.mask_gate: `input` gates a chain head's steps; a dflash block's predictions are "
+                             f"gated by their own labels ({named('dflash')}): set train.mask_gate: label")
+        if "eagle3" in kinds and self.head.num_layers != 1:
+            raise ValueError(f"head.num_layers: an eagle3 head has one decoder layer ({named('eagle3')}), not "
+                             f"{self.head.num_layers}: set head.num_layers: 1")
+        return self
+
     # Every path a run writes, in one place.
     @property
     def features_dir(self) -> Path:
@@ -301,6 +325,9 @@ class Recipe(Section):
     @property
     def slurm_dir(self) -> Path:
         return self.output_dir / "slurm"
+
+
+HEAD_KINDS: tuple[str, ...] = get_args(HeadConfig.model_fields["kind"].annotation)
 
 
 def _format_error(source: str, err: ValidationError) -> str:

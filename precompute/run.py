@@ -133,6 +133,18 @@ def _precompute(job: Job, device: torch.device, tp: TensorParallel, overwrite: b
     return finish(job, manifest, index, start) if tp.is_leader else manifest
 
 
+def check_recipe(recipe: Recipe, cfg: ModelConfig) -> None:
+    """Precompute's refusals that the recipe and the target's config (``cfg``) decide alone, which
+    ``mtp_train.pipeline.check_recipe`` makes before any stage runs: the aux layers it stores for an eagle3 or dflash
+    head (``recipe_settings``), and the attention backend of the target's engine where precompute runs it (offline,
+    or to regenerate answers)."""
+    from mtp_train.runtime.attention import check_latent
+
+    eagle3_layers(recipe, cfg)
+    if recipe.data.regenerate or recipe.precompute.mode != "online":
+        check_latent(recipe.target.attention_backend, cfg.mla is not None)
+
+
 def resolve_worker(rank: int | None, world: int | None, tp: int) -> Worker:
     """Flags win; then a SLURM array; then torchrun's RANK/WORLD_SIZE (only without TP, whose ranks share rows)."""
     env = os.environ

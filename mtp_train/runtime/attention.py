@@ -240,6 +240,16 @@ def _notice(line: str) -> None:
         print(line, file=sys.stderr)
 
 
+def check_latent(name: str, latent: bool) -> None:
+    """``backend_name``'s refusal that the recipe (``target.attention_backend``) and the target's config (``latent``:
+    MLA) decide alone, which ``mtp_train.pipeline.check_recipe`` makes before any stage runs."""
+    from mtp_train.errors import UserError
+
+    if latent and name == "flashinfer":
+        raise UserError("target.attention_backend: flashinfer is not wired for MLA (DeepSeek) targets in this "
+                        "runtime; use torch or auto")
+
+
 def backend_name(name: str, device: torch.device, dtype: torch.dtype, latent: bool = False,
                  head_dim: int | None = None, sliding_window: int | None = None) -> str:
     """Which backend ``name`` (the recipe's ``target.attention_backend``: auto, torch or flashinfer) resolves to.
@@ -256,9 +266,7 @@ def backend_name(name: str, device: torch.device, dtype: torch.dtype, latent: bo
     if name not in ("auto", "torch", "flashinfer"):
         raise ValueError(name)
     if latent:
-        if name == "flashinfer":
-            raise UserError("target.attention_backend: flashinfer is not wired for MLA (DeepSeek) targets in this "
-                            "runtime; use torch or auto")
+        check_latent(name, latent)
         return "torch"
     if name == "flashinfer" and device.type != "cuda":
         raise UserError("target.attention_backend: flashinfer needs a CUDA device; use torch or auto on CPU")

@@ -165,15 +165,21 @@ class TokenDrafter(Drafter):
         return Feed(seq, 0, token)
 
 
+def check_draft_vocab(draft: int, target: int) -> None:
+    """Refuse a draft model whose vocabulary (``draft`` ids) is not the target's (``target``): decided by the configs
+    of the two checkpoints the recipe names, so ``mtp_train.pipeline.check_recipe`` makes it before any stage runs."""
+    if draft != target:
+        raise UserError(f"draft model vocab {draft} differs from the target's {target}; a draft must share the "
+                        "target's tokenizer")
+
+
 class DraftModelDrafter(TokenDrafter):
     """Draft-target: a small LLM of any supported family, sharing the target's tokenizer."""
 
     name = "draft_target"
 
     def __init__(self, engine: Engine, model: Transformer) -> None:
-        if model.cfg.vocab_size != engine.cfg.vocab_size:
-            raise UserError(f"draft model vocab {model.cfg.vocab_size} differs from the target's "
-                            f"{engine.cfg.vocab_size}; a draft must share the target's tokenizer")
+        check_draft_vocab(model.cfg.vocab_size, engine.cfg.vocab_size)
         self.model = model
         if engine.small_batch_layout:  # the draft's weights get the target's small-batch layout too
             tune(model)

@@ -233,16 +233,23 @@ def head_is_complete(root: Path, training_fingerprint: str) -> bool:
     return isinstance(config, dict) and config.get("training_fingerprint") == training_fingerprint
 
 
-def load_target_mtp(root: Path, cfg: ModelConfig, fingerprint: str, index: int = 0) -> DraftHead:
-    """MTP layer ``index`` of the checkpoint at ``root`` (target config ``cfg``) as a head (fp32, eval mode), in
-    the vLLM convention (the target's hidden state after its final norm, the state after ``shared_head.norm`` fed
-    back, the embedding zeroed at position 0), as DeepSeek's MTP layers are served."""
+def target_mtp_layers(root: Path, cfg: ModelConfig) -> int:
+    """The MTP layers of the checkpoint at ``root`` (target config ``cfg``), refused when it has none: its config.json
+    decides, so ``mtp_train.pipeline.check_recipe`` asks before any stage runs when the eval drafts with them."""
     config = json.loads((root / "config.json").read_text(encoding="utf-8"))
     n = int(config.get("num_nextn_predict_layers") or 0)
     if not cfg.family.startswith("deepseek") or n == 0:
         raise UserError(f"{root / 'config.json'}: eval.draft target_mtp needs a DeepSeek-V3-layout checkpoint with "
                         f"num_nextn_predict_layers >= 1 (this one: model_type {cfg.family!r}, {n} MTP layers); "
                         "train a head instead (eval.draft: head)")
+    return n
+
+
+def load_target_mtp(root: Path, cfg: ModelConfig, fingerprint: str, index: int = 0) -> DraftHead:
+    """MTP layer ``index`` of the checkpoint at ``root`` (target config ``cfg``) as a head (fp32, eval mode), in
+    the vLLM convention (the target's hidden state after its final norm, the state after ``shared_head.norm`` fed
+    back, the embedding zeroed at position 0), as DeepSeek's MTP layers are served."""
+    n = target_mtp_layers(root, cfg)
     if index >= n:
         raise UserError(f"{root / 'config.json'}: MTP layer {index} asked for, the checkpoint has {n}")
     layer = cfg.num_layers + index

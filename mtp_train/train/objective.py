@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from mtp_train.errors import UserError
 from mtp_train.heads import DraftHead
 from mtp_train.heads.frozen import FrozenTarget
 from mtp_train.recipe import Recipe
@@ -26,10 +25,8 @@ from mtp_train.features.online import Features
 def loss_weights(recipe: Recipe) -> LossWeights:
     """The recipe's loss settings; a dflash head's steps are its block's positions 1..B-1."""
     t, head = recipe.train, recipe.head
+    # (train.mask_gate input with a dflash head is refused where the recipe is read, before any stage runs)
     steps = head.block_size - 1 if head.kind == "dflash" else t.unroll
-    if head.kind == "dflash" and t.mask_gate == "input":
-        raise UserError("train.mask_gate: `input` gates a chain head's steps; a dflash block's predictions are gated "
-                        "by their own labels: set train.mask_gate: label")
     return LossWeights(t.w_hidden, t.w_logits, steps, t.unroll_decay, t.teacher, 2 if t.mask_gate == "input" else 0,
                        t.anchors or 0, block_chunk_rows(t.batch_tokens, recipe.data.max_length, t.anchors,
                                                         head.block_size))

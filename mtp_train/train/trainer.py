@@ -38,6 +38,7 @@ from mtp_train.heads import AUX_KINDS, DraftHead, HeadSpec, head_spec
 from mtp_train.heads.frozen import FrozenTarget
 from mtp_train.io import crash_point, pause_point
 from mtp_train.lock import exclusive, rank_lock
+from mtp_train.models.config import ModelConfig
 from mtp_train.progress import Progress
 from mtp_train.recipe import Recipe
 from mtp_train.threads import leave_signals_to_main_thread, set_threads, warn_if_oversubscribed
@@ -94,6 +95,31 @@ def _train(trainer: Trainer) -> Path:
     return trainer.finish()
 
 
+def recipe_head_spec(recipe: Recipe, cfg: ModelConfig, fingerprint: str, aux_layers: tuple[int, ...]) -> HeadSpec:
+    """The spec of the recipe's head (``head.kind``) on a target of ``cfg``, reading its layers ``aux_layers``."""
+    h, vocab = recipe.head, cfg.vocab_size
+    return head_spec(h.kind, h.num_layers, cfg, fingerprint, h.convention, aux_layers,
+                     draft_vocab_size(h.draft_vocab, vocab), h.block_size, h.mask_id(vocab))
+
+
+def check_recipe(recipe: Recipe, cfg: ModelConfig) -> None:
+    """The train stage's refusals that the recipe and the target's config (``cfg``) decide alone, which
+    ``mtp_train.pipeline.check_recipe`` makes before any stage runs (for each head kind the stage trains, as
+    ``head.kind``): the head ``TrainInputs.read`` specifies, with the aux layers precompute stores for it, built on the
+    meta device (no memory), where its constructor refuses what it cannot be; online, the target's attention backend
+    for the engine that scores the features."""
+    from mtp_train.heads import build_head
+    from mtp_train.heads.eagle3 import aux_layers_for
+    from mtp_train.runtime.attention import check_latent
+
+    h = recipe.head
+    aux = tuple(aux_layers_for(h.aux_layers, cfg)) if h.kind in AUX_KINDS else ()
+    with torch.device("meta"):
+        build_head(recipe_head_spec(recipe, cfg, "", aux))
+    if recipe.precompute.mode == "online":
+        check_latent(recipe.target.attention_backend, cfg.mla is not None)
+
+
 @dataclass(frozen=True)
 class TrainInputs:
     """What a run trains on, read before anything is built: the features, the frozen target parts (loaded on the
@@ -113,11 +139,10 @@ class TrainInputs:
         frozen = FrozenTarget.load(recipe.target.path)
         if reader.manifest.layers[-1] != frozen.cfg.num_layers - 1:
             raise UserError(f"{recipe.features_dir}: the last stored layer must be the target's last layer")
-        h, vocab = recipe.head, frozen.cfg.vocab_size
+        h = recipe.head
         aux = aux_indices(reader, h.aux_layers, frozen.cfg) if h.kind in AUX_KINDS else ()
-        spec = head_spec(h.kind, h.num_layers, frozen.cfg, reader.manifest.fingerprint["target"], h.convention,
-                         tuple(reader.manifest.layers[i] + 1 for i in aux), draft_vocab_size(h.draft_vocab, vocab),
-                         h.block_size, h.mask_id(vocab))
+        spec = recipe_head_spec(recipe, frozen.cfg, reader.manifest.fingerprint["target"],
+                                tuple(reader.manifest.layers[i] + 1 for i in aux))
         train_key = text_fingerprint(json.dumps(
             {"recipe_train": recipe.train.model_dump(mode="json"), "head": recipe.head.model_dump(mode="json"),
              "seed": recipe.seed, "features": reader.manifest.fingerprint}, sort_keys=True))
