@@ -18,7 +18,8 @@ Formats (``../shared/EXPORT.md``):
   that would load wrongly.
 
 - ``vllm``, a ``dflash`` head: vLLM's ``DFlashDraftModel`` (``heads/dflash_layout.py``), with the trained mask vector
-  in ``mask_embedding.pt``.
+  in ``mask_embedding.pt``; of one layer only (vLLM 0.32 normalises every layer's context keys with one ``k_norm``
+  row, so a head of more layers is refused).
 
 The export refuses, naming the difference, a head whose conventions (:mod:`mtp_train.heads.conventions`), target
 fingerprint or vocabulary differ from what the format's engine will run it with. It writes into a temporary
@@ -67,6 +68,11 @@ def export_head(recipe: Recipe, fmt: str, out: Path | None = None) -> Path:
     spec = head.spec
     check_format(spec.kind, target.family, fmt, root)
     _check_servable(spec.kind, spec.choices, target.family, "vllm" if fmt == "speculators" else fmt, root)
+    if spec.kind == "dflash" and fmt == "vllm" and spec.num_layers > 1:
+        raise UserError(f"{root}: a dflash head of {spec.num_layers} layers cannot be exported for vLLM: vLLM 0.32's "
+                        "DFlash loader normalises every layer's context keys with one k_norm weight row, so the "
+                        "layers past the first would run with other keys than they were trained with; train "
+                        "head.num_layers=1 to export it, or serve this one with this runtime (`mtp-train eval`)")
 
     out = out or recipe.export_dir(fmt)
     tmp = fresh_dir(out.with_name(f".{out.name}.tmp"))

@@ -300,6 +300,30 @@ def test_a_dflash_head_exports_in_vllms_layout(dflash_run, tmp_path):
     assert not (tmp_path / "sglang").exists()
 
 
+def test_a_dflash_head_of_more_than_one_layer_is_refused_for_vllm(tmp_path):
+    """vLLM 0.32's DFlash loader normalises every layer's context keys with one k_norm weight row: a head of two layers
+    is refused in one line and nothing is written; one layer exports (docs/export.md, "DFlash in vLLM")."""
+    from conftest import TINY_RECIPE
+    from mtp_train.features.manifest import target_fingerprint
+    from mtp_train.train.checkpoint import save_head
+
+    frozen = FrozenTarget.load(TINY_TARGET)
+    for layers in (2, 1):
+        spec = head_spec("dflash", layers, frozen.cfg, target_fingerprint(TINY_TARGET), aux_layers=(1, 2, 3),
+                         block_size=BLOCK, mask_token_id=7)
+        run = tmp_path / f"run{layers}"
+        save_head(run / "heads" / "dflash", build_head(spec), {})
+        out = tmp_path / f"vllm{layers}"
+        proc = run_cli("export", TINY_RECIPE, f"output_dir={run}", "head.kind=dflash", f"head.num_layers={layers}",
+                       f"head.block_size={BLOCK}", "--format", "vllm", "--out", out)
+        if layers == 2:
+            assert_one_line_user_error(proc, "dflash head of 2 layers", "vLLM", "k_norm", "head.num_layers=1")
+            assert not out.exists() and not (run / "export").exists()
+        else:
+            assert proc.returncode == 0, proc.stderr
+            assert (out / "model.safetensors").is_file()
+
+
 @pytest.mark.slow
 def test_vllm_serves_the_exported_dflash_head_as_this_runtime_does(dflash_run, tmp_path):
     """vLLM's CPU build with method "dflash": its speculative output equals its plain output, and its per-position
