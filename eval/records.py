@@ -6,9 +6,13 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict
 
 class DraftCost(BaseModel):
-    """The terms of c = ``draft_forward_ms`` / ``plain_decode_step_ms`` and of v = ``verify_forward_ms`` /
-    ``decode_forward_ms`` (``verify_step_ms`` / ``plain_decode_step_ms`` in reports that predate the probe), so that a reader can check them,
-    and the wall times that explain the expected speedup's gap to the measured one."""
+    """The terms of c = ``draft_forward_ms`` / ``plain_decode_step_ms`` and of v = (``plain_decode_step_ms`` −
+    ``decode_forward_ms`` + ``verify_forward_ms``) / ``plain_decode_step_ms``, both in plain decode steps, so that a
+    reader can check them, and the wall times that explain the expected speedup's gap to the measured one.
+
+    Older reports, told apart by ``decode_batch_steps`` being ``None``, took v = ``verify_forward_ms`` /
+    ``decode_forward_ms`` (a ratio of bare forwards, in other units than c) or, before the probe, ``verify_step_ms`` /
+    ``plain_decode_step_ms`` (the speculative run's own time: the prediction restated the measurement)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -24,12 +28,17 @@ class DraftCost(BaseModel):
     """Speculative decode steps (draft and verify), the count behind ``verify_step_ms``; ``None`` in old reports."""
     verify_step_ms: float | None = None
     """Mean wall time of a speculative decode step outside its draft forwards: the target's forward over k + 1
-    tokens per sequence, acceptance and bookkeeping."""
+    tokens per sequence, acceptance and bookkeeping (measured, what v predicts; never v's term)."""
     verify_forward_ms: float | None = None
     """The target's forward over a step's tokens per sequence (k + 1, or the tree's N) with their logits, timed alone
-    outside the speculative loop on contexts from the plain run (:mod:`mtp_train.eval.verify_probe`)."""
+    outside the speculative loop on contexts from the plain run (:mod:`mtp_train.eval.verify_probe`), at the batch
+    sizes of ``decode_batch_steps`` and weighed by their steps; ``None`` where it was not measured."""
     decode_forward_ms: float | None = None
-    """The same probe's forward over one token per sequence: v = ``verify_forward_ms`` / this."""
+    """The same probe's forward over one token per sequence, weighed alike: the part of a plain decode step that the
+    verify widens."""
+    decode_batch_steps: dict[int, int] | None = None
+    """The plain run's decode steps by batch size: the sizes the probe timed its forwards at (or interpolated
+    between) and their weights; ``None`` in reports whose v was not in plain decode steps."""
     plain_wall_s: float | None = None
     spec_wall_s: float | None = None
     """The plain and the speculative run's wall times: the measured speedup is their ratio."""

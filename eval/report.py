@@ -6,11 +6,13 @@ Conventions (``../shared/DESIGN.md``, "Evaluation: definitions used in every rep
   of all requests; plain decoding has τ = 1.
 - **α_j** is the rate at which draft position j is accepted given that positions 1..j-1 were accepted;
   ``alpha_unconditional`` is the plain per-position rate.
-- **Expected speedup** is τ / (v + f·c) (f = k draft forwards per step for a chain, 2 for a block draft), with c
-  the mean wall time of one batched draft forward in decode steps
-  over that of one plain decode step (``draft_cost_ratio``) and v the mean wall time of a speculative step outside
-  its draft (the verify of k + 1 tokens) over that of one plain decode step (``verify_cost_ratio``; v = 1 in
-  reports that predate it). Their terms are in ``SweepPoint.cost``.
+- **Expected speedup** is τ / (v + f·c) (f = k draft forwards per step for a chain, 2 for a block draft), c and v
+  both in plain decode steps: c the mean wall time of one batched draft forward in decode steps over that of one
+  plain decode step (``draft_cost_ratio``), v a verify step predicted as a plain decode step whose one-token forward
+  is widened to the verify forward of k + 1 tokens, over the plain decode step (``verify_cost_ratio``; ``None``
+  where it was not measured or in reports that predate it, and the expected speedup then takes v = 1). Their terms
+  are in ``SweepPoint.cost``; reports whose ``cost.decode_batch_steps`` is ``None`` took v in other units
+  (:class:`mtp_train.eval.records.DraftCost`), and their expected speedups are not compared with these.
 - **Lossless** (T = 0): strict token identity with plain decoding when the target runs in float32; in bf16/fp16,
   no greedy violation and every divergence from plain decoding a near-tie (:mod:`mtp_train.eval.lossless`).
 
@@ -128,7 +130,8 @@ class SweepPoint(BaseModel):
     distinct2: float
     lossless: bool | None
     verify_cost_ratio: float | None = None
-    """v: a speculative step's verify in plain decode steps; ``None`` in reports that predate it (v = 1)."""
+    """v: a speculative step's verify in plain decode steps; ``None`` where it was not measured and in reports that
+    predate it (the expected speedup takes v = 1)."""
     num_prompts: int
     num_steps: int
     generated_tokens: int
@@ -303,6 +306,19 @@ def _sweep_key(k: int, temperature: float) -> str:
     return f"tau@k={k},T={temperature:g}"
 
 
+def _v_unit(r: Report) -> str | None:
+    """What the headline's v is a ratio of (:class:`DraftCost`): ``None`` where it takes v = 1."""
+    if r.verify_cost_ratio is None:
+        return None
+    point = next((p for p in r.sweep if (p.k, p.temperature) == (r.k, r.temperature)), None)
+    cost = None if point is None else point.cost
+    if cost is not None and cost.decode_batch_steps is not None:
+        return "plain decode steps"
+    if cost is not None and cost.verify_forward_ms is not None:
+        return "a ratio of bare forwards"
+    return "the speculative run's own step time"
+
+
 def compare(report: Report, baseline: Report, path: str) -> BaselineDiff:
     """Deltas (new minus old) of ``report`` against ``baseline`` and the regressions among them.
 
@@ -339,10 +355,14 @@ def compare(report: Report, baseline: Report, path: str) -> BaselineDiff:
         notes.append(f"mode differs: {report.mode} now, {baseline.mode} in the baseline")
 
     check("tau", report.tau, baseline.tau, drop=REL_DROP)
-    if (report.verify_cost_ratio is None) == (baseline.verify_cost_ratio is None):
-        check("expected_speedup", report.expected_speedup, baseline.expected_speedup, drop=REL_DROP)
-    else:  # one side takes v = 1: the two expected speedups are not the same quantity
+    if (report.verify_cost_ratio is None) != (baseline.verify_cost_ratio is None):
+        # one side takes v = 1: the two expected speedups are not the same quantity
         notes.append("expected speedup not compared: one report measures the verify cost v, the other takes v = 1")
+    elif _v_unit(report) != _v_unit(baseline):
+        notes.append(f"expected speedup not compared: v is in other units ({_v_unit(report)} now, "
+                     f"{_v_unit(baseline)} in the baseline)")
+    else:
+        check("expected_speedup", report.expected_speedup, baseline.expected_speedup, drop=REL_DROP)
     check("measured_speedup", report.measured_speedup, baseline.measured_speedup, drop=REL_DROP_MEASURED)
     check("distinct2", report.distinct2, baseline.distinct2, fmt=".3f")
 

@@ -9,8 +9,9 @@ Conventions: tau counts the tokens emitted per target verification step, bonus t
 decoding has tau = 1); the prefill step's token is not a verification step. The draft cost ratio c is the
 mean wall time of one batched draft forward in decode steps over that of one plain decode step (a step in
 which every sequence decodes one token), both in this runtime at the same batch size, after a warm-up
-(:mod:`mtp_train.eval.timing`); v, the verify cost ratio, is the target's forward over a step's tokens over its
-forward over one token, both timed alone outside the speculative loop (:mod:`mtp_train.eval.verify_probe`). Trees
+(:mod:`mtp_train.eval.timing`); v, the verify cost ratio, is in the same plain decode steps: the plain decode step
+with its one-token forward widened to the forward over a step's tokens, both forwards timed alone outside the
+speculative loop at the plain run's batch sizes (:mod:`mtp_train.eval.verify_probe`). Trees
 (``eval.trees``) sweep beside the chains. Lossless at T = 0 is :mod:`mtp_train.eval.lossless`'s check. The headline
 is the lowest-temperature chain with the highest measured speedup.
 """
@@ -35,7 +36,7 @@ from mtp_train.eval.render import keep_previous, write_report
 from mtp_train.eval.report import FILES, Comparison, Report, SweepPoint, TreeSetting, load_report
 from mtp_train.eval.samples import pick_samples
 from mtp_train.eval.timing import plain_decode, step_costs, timed_generate, warm_up
-from mtp_train.eval.verify_probe import verify_forward_s
+from mtp_train.eval.verify_probe import probe_batches, verify_forward_s
 from mtp_train.errors import UserError
 from mtp_train.heads.conventions import validity_line
 from mtp_train.lock import exclusive, rank_lock
@@ -219,8 +220,9 @@ def _sweep(engine: Engine, drafter: Drafter, prompts, token_ids, plain: dict, e:
     shapes = [TreeShape(t.topk, t.depth, t.draft_tokens) for t in e.trees]
     warm_up(engine, drafter, token_ids, max(e.k), list(plain), shapes)
     widths = [(1, False)] + [(k + 1, False) for k in e.k] + [(s.draft_tokens, True) for s in shapes]
+    batches = probe_batches([timing.decode_batches for _, _, timing in plain.values()])  # as the batch shrank
     verify = verify_forward_s(engine, _contexts(token_ids, next(iter(plain.values()))[1], e.batch_size),
-                              list(dict.fromkeys(widths)), drafter.capture)
+                              list(dict.fromkeys(widths)), drafter.capture, batches or None)
     decode = verify[1, False]
     chains, trees = [], []
     for temperature, (params, reference, timing) in plain.items():
@@ -249,7 +251,8 @@ def _point(engine: Engine, decoder: SpeculativeDecoder, label: str, prompts, tok
            timing, checks: list[LosslessCheck], probe: tuple[float, float]) -> tuple[SweepPoint, list[list[int]]]:
     """One timed speculative run of every prompt with ``decoder`` at ``params``' temperature: its sweep point (and
     at T = 0 its lossless check, added to ``checks``) and its output tokens. ``probe``: the seconds of the verify
-    forward of this step's width and of a one-token forward, timed together (v is their ratio)."""
+    forward of this step's width and of a one-token forward by batch size, timed together (``step_costs`` weighs
+    them by the plain run's decode steps and puts v in plain decode steps)."""
     drafter, k, temperature = decoder.drafter, decoder.k, params[0].temperature
     progress = Progress(f"eval: {drafter.name} {label} T={temperature:g}", len(prompts), "prompts",
                         enabled=engine.tp.is_leader, summary=False)  # the line below sums it up

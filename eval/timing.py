@@ -1,15 +1,22 @@
-"""Wall-clock timing of the eval: plain decoding timed step by step, speculative runs, warm-up, and c.
+"""Wall-clock timing of the eval: plain decoding timed step by step, speculative runs, warm-up, c and v.
 
-- **v**, the verify cost ratio = (the target's forward over k + 1 tokens per sequence, or a tree's N, with their
-  logits) / (its forward over one token per sequence), both timed alone outside the speculative loop, turn about, on
-  contexts from the plain run (:mod:`mtp_train.eval.verify_probe`). v is near 1 where verifying k + 1 tokens costs what decoding one does
-  (a memory-bound target) and grows toward k + 1 where it is compute-bound. τ / (v + f·c) is then a prediction, not
-  the measured speedup restated: what it leaves out (acceptance and bookkeeping, the loop's mean step outside its
-  drafts against the probe, and prefill and mixed steps) is its gap to the measured one.
+c and v are in one unit, the plain **decode** step as the plain run measured it (the whole ``Engine.step``:
+scheduling, the forward, sampling, bookkeeping), so that τ / (v + f·c) divides like by like:
+
 - **c**, the draft cost ratio = (mean wall time of one batched draft forward in speculative decode steps) /
-  (mean wall time of one plain **decode** step). A plain decode step is one in which every scheduled sequence
+  (mean wall time of one plain decode step). A plain decode step is one in which every scheduled sequence
   decodes exactly one token; prefill and mixed steps forward many tokens per sequence, and averaging them in
   would make the denominator too large, c too small and the expected speedup τ / (v + k·c) too high.
+- **v**, the verify cost ratio = (the plain decode step − its one-token forward + the verify forward) / (the plain
+  decode step): a speculative step's verify predicted as a plain decode step whose forward is widened from one
+  token per sequence to the step's k + 1 (or a tree's N) with their logits. The two forwards are timed alone outside
+  the speculative loop, turn about, on contexts from the plain run, at the batch sizes the plain run's decode steps
+  had, and weighed by the decode steps at each size as the plain decode step's mean is
+  (:mod:`mtp_train.eval.verify_probe`). v is near 1 where verifying k + 1 tokens costs what decoding one does (a
+  memory-bound target) and grows where it is compute-bound. Nothing in it comes from the speculative run, so
+  τ / (v + f·c) is a prediction: what it leaves out (acceptance beyond a plain step's sampling and bookkeeping,
+  prefill and mixed steps, the speculative run's own batch sizes) is its gap to the measured speedup. Where v cannot
+  be measured (no probe, no plain decode step) it is ``None`` and the report says so.
 - The **measured speedup** is the wall time of the whole plain run over that of the whole speculative run, the
   same prompts at the same batch size.
 - Every clock reading is preceded by ``synchronize(device)`` (a no-op on CPU), so that work queued on a GPU is
@@ -23,11 +30,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from mtp_train.eval.report import DraftCost
+from mtp_train.eval.verify_probe import at_batches
 from mtp_train.runtime.device import synchronize
 from mtp_train.runtime.engine import Engine, GenerationResult
 from mtp_train.runtime.sampling import SamplingParams
@@ -51,18 +59,21 @@ def is_decode_step(scheduled: list[tuple[Sequence, list[int]]]) -> bool:
 
 @dataclass
 class PlainTiming:
-    """One plain run: its wall time, its steps, and the time and count of its pure decode steps."""
+    """One plain run: its wall time, its steps, and the time and count of its pure decode steps, these also counted by
+    batch size (``decode_batches``: the sizes the verify probe times, and their weights)."""
 
     wall_s: float = 0.0
     steps: int = 0
     decode_steps: int = 0
     decode_s: float = 0.0
+    decode_batches: dict[int, int] = field(default_factory=dict)
 
     def add_step(self, scheduled: list[tuple[Sequence, list[int]]], seconds: float) -> None:
         self.steps += 1
         if is_decode_step(scheduled):
             self.decode_steps += 1
             self.decode_s += seconds
+            self.decode_batches[len(scheduled)] = self.decode_batches.get(len(scheduled), 0) + 1
 
     @property
     def decode_step_s(self) -> float:
@@ -70,25 +81,31 @@ class PlainTiming:
         return self.decode_s / self.decode_steps if self.decode_steps else 0.0
 
 
-def step_costs(spec: SpecTimings, plain: PlainTiming, probe: tuple[float, float] | None = None,
+def step_costs(spec: SpecTimings, plain: PlainTiming,
+               probe: tuple[dict[int, float], dict[int, float]] | None = None,
                spec_wall_s: float | None = None) -> tuple[float, float | None, DraftCost]:
-    """c, v and the record of their terms. With ``probe``, the verify forward's and a one-token decode forward's
-    seconds timed together outside the speculative loop (``verify_probe``), v is their ratio; without, the loop's
-    time outside its drafts over the plain decode step. With no plain decode step to divide by, c is 0.0 and v
-    ``None`` (nothing to compare); with no speculative step, v is ``None``."""
+    """c, v and the record of their terms, both over the plain decode step. ``probe``: the verify forward's and the
+    one-token forward's seconds by batch size (``verify_forward_s``), weighed here by the plain run's decode steps at
+    each size. v is ``None`` where it cannot be measured: no probe, or no plain decode step (c is then 0.0: nothing to
+    divide by). The loop's own time outside its drafts is recorded (``verify_step_ms``) but never taken for v: it is
+    the measured result the expected speedup predicts."""
     forward_s = spec.draft_s / spec.draft_forwards if spec.draft_forwards else 0.0
     verify_s = spec.verify_s / spec.steps if spec.steps else 0.0
     step = plain.decode_step_s
     c = forward_s / step if step > 0 else 0.0
-    v = None
-    if step > 0 and spec.steps:
-        v = verify_s / step if probe is None else probe[0] / probe[1]
+    v = verify_fwd = one_fwd = weights = None
+    if step > 0 and probe is not None and plain.decode_batches:
+        weights = dict(sorted(plain.decode_batches.items(), reverse=True))
+        verify_fwd, one_fwd = at_batches(probe[0], weights), at_batches(probe[1], weights)
+        widened = step - one_fwd + verify_fwd  # the plain decode step with its forward widened to the verify's
+        v = widened / step if widened > 0 else None
     record = DraftCost(draft_forwards=spec.draft_forwards, draft_forward_ms=round(forward_s * 1e3, 4),
                        plain_steps=plain.steps, plain_decode_steps=plain.decode_steps,
                        plain_decode_step_ms=round(step * 1e3, 4), spec_steps=spec.steps,
                        verify_step_ms=round(verify_s * 1e3, 4),
-                       verify_forward_ms=None if probe is None else round(probe[0] * 1e3, 4),
-                       decode_forward_ms=None if probe is None else round(probe[1] * 1e3, 4),
+                       verify_forward_ms=None if verify_fwd is None else round(verify_fwd * 1e3, 4),
+                       decode_forward_ms=None if one_fwd is None else round(one_fwd * 1e3, 4),
+                       decode_batch_steps=weights,
                        plain_wall_s=round(plain.wall_s, 4),
                        spec_wall_s=None if spec_wall_s is None else round(spec_wall_s, 4))
     return c, v, record

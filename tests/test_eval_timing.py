@@ -8,6 +8,7 @@ import torch
 from conftest import TINY_TARGET, sgd_chat_prompts
 from mtp_train.eval.lossless import NEAR_TIE, SHOWN, STRICT, LosslessCheck, check_lossless, check_name, classify, summarize
 from mtp_train.eval.report import Divergence
+from mtp_train.eval.metrics import expected_speedup
 from mtp_train.eval.timing import PlainTiming, is_decode_step, plain_decode, step_costs, warm_up
 from mtp_train.models.checkpoint import load_transformer
 from mtp_train.runtime.engine import Engine, GenerationResult
@@ -48,12 +49,100 @@ def test_only_steps_where_every_sequence_decodes_one_token_are_decode_steps():
     assert timing.decode_step_s == pytest.approx(1.0)  # all five steps would average 3.8 s
     c, v, cost = step_costs(SpecTimings(draft_s=0.6, draft_forwards=3, step_s=3.6, steps=2), timing)
     assert c == pytest.approx(0.2)
-    assert v == pytest.approx(1.5), "(3.6 s of steps - 0.6 s of drafts) / 2 steps over the 1 s decode step"
     assert (cost.draft_forwards, cost.plain_steps, cost.plain_decode_steps, cost.spec_steps) == (3, 5, 3, 2)
     assert (cost.draft_forward_ms, cost.plain_decode_step_ms) == (pytest.approx(200.0), pytest.approx(1000.0))
     assert cost.verify_step_ms == pytest.approx(1500.0)
     assert step_costs(SpecTimings(0.6, 3), PlainTiming())[:2] == (0.0, None), "no decode step: nothing to divide by"
-    assert step_costs(SpecTimings(), timing)[1] is None, "no speculative step: no v"
+
+
+def test_without_the_probe_v_is_not_measured_rather_than_taken_from_the_run_it_predicts():
+    """The speculative loop's own time outside its drafts (1.5 s a step here) is the measured result the expected
+    speedup predicts: v derived from it would restate the measurement. Without a probe v is ``None``."""
+    timing = PlainTiming()
+    for _ in range(3):
+        timing.add_step([(None, [5])], 1.0)
+    c, v, cost = step_costs(SpecTimings(draft_s=0.6, draft_forwards=3, step_s=3.6, steps=2), timing)
+    assert c == pytest.approx(0.2) and v is None
+    assert cost.verify_forward_ms is None and cost.decode_batch_steps is None
+
+
+def test_a_plain_run_counts_its_decode_steps_by_batch_size():
+    timing = PlainTiming()
+    four, two, mixed = [(None, [5])] * 4, [(None, [5])] * 2, [(None, [5]), (None, [6, 7])]
+    for scheduled in (four, mixed, four, four, two):
+        timing.add_step(scheduled, 1.0)
+    assert timing.decode_batches == {4: 3, 2: 1}, "the mixed step is no decode step"
+
+
+def test_c_and_v_are_in_one_unit_the_plain_decode_step_as_the_run_measured_it():
+    """Injected timings of a run in which every step spends O = 4 ms scheduling, sampling and booking beside its
+    forwards: a plain decode step is O + a one-token forward, a speculative step O + a verify forward + k draft
+    forwards. 30 plain decode steps ran at batch 4 and 10 at batch 2, and the speculative steps in the same
+    proportion; the probe timed the bare forwards at both sizes. c and v are both over the plain decode step the run
+    measured (9.75 ms), so that τ / (v + k·c) is the run's speedup; v as a ratio of bare forwards (8.5 ms / 5.75 ms =
+    1.48) is in other units than c and would predict too low a speedup."""
+    overhead, k, draft = 4e-3, 2, 1e-3
+    one, verify = {4: 6e-3, 2: 5e-3}, {4: 9e-3, 2: 7e-3}
+    plain = PlainTiming()
+    for b, n in ((4, 30), (2, 10)):
+        for _ in range(n):
+            plain.add_step([(None, [1])] * b, overhead + one[b])
+    step = plain.decode_step_s
+    assert step == pytest.approx(9.75e-3)
+    spec_steps = {4: 15, 2: 5}
+    spec = SpecTimings(draft_s=20 * k * draft, draft_forwards=20 * k, steps=20,
+                       step_s=sum(n * (overhead + verify[b] + k * draft) for b, n in spec_steps.items()))
+    c, v, cost = step_costs(spec, plain, (verify, one), spec_wall_s=1.0)
+    assert c == pytest.approx(draft / step)
+    assert v == pytest.approx((overhead + 8.5e-3) / step), "a plain decode step with its forward widened to the verify"
+    tau = 2.5
+    truth = tau * step / (spec.step_s / spec.steps)  # plain time per token over speculative time per token
+    assert expected_speedup(tau, k, c, v) == pytest.approx(truth)
+    assert expected_speedup(tau, k, c, 8.5 / 5.75) < 0.9 * truth, "the bare forward ratio, in other units"
+    assert cost.decode_batch_steps == {4: 30, 2: 10}
+    assert (cost.verify_forward_ms, cost.decode_forward_ms) == (pytest.approx(8.5), pytest.approx(5.75))
+
+
+def test_many_batch_sizes_are_probed_at_a_few_and_weighted_by_their_steps():
+    from mtp_train.eval.verify_probe import MAX_PROBED_BATCHES, at_batches, probe_batches
+
+    steps = {b: 1 for b in range(1, 65)}
+    steps[64] = 500  # a full batch most of the run, then every size down to 1 as requests finish
+    sizes = probe_batches([steps])
+    assert len(sizes) <= MAX_PROBED_BATCHES and sizes[0] == 1 and sizes[-1] == 64 and sizes == sorted(set(sizes))
+    assert probe_batches([{4: 3, 2: 1}, {3: 1, 4: 9}]) == [2, 3, 4], "every size of every plain run, when few"
+    times = {b: 1e-3 + 2e-4 * b for b in sizes}  # linear in the batch size: interpolation between sizes is exact
+    mean = sum(n * (1e-3 + 2e-4 * b) for b, n in steps.items()) / sum(steps.values())
+    assert at_batches(times, steps) == pytest.approx(mean)
+    assert at_batches({4: 2.0}, {4: 1, 2: 3}) == pytest.approx(2.0), "one probed size stands for all"
+
+
+def test_the_probe_times_the_batch_sizes_the_plain_run_had(prompts, monkeypatch):
+    """Four requests of 3 to 9 tokens in one batch of four: the batch shrinks to 3, 2 and 1 as they finish, and the
+    probe times its forwards at each of those sizes, not at the full batch alone."""
+    import mtp_train.eval.verify_probe as probe
+    from mtp_train.eval.verify_probe import probe_batches, verify_forward_s
+
+    engine = Engine.from_pretrained(TINY_TARGET, max_seqs=4)
+    params = [SamplingParams(max_new_tokens=n, stop_token_ids=()) for n in (3, 5, 7, 9)]
+    results, timing = plain_decode(engine, prompts, params)
+    assert sorted(timing.decode_batches) == [1, 2, 3, 4]
+    sizes = probe_batches([timing.decode_batches])
+    assert sizes == [1, 2, 3, 4]
+    monkeypatch.setattr(probe, "REPEATS", 1)
+    asked, forward = [], probe._one_forward
+    monkeypatch.setattr(probe, "_one_forward",
+                        lambda engine, seqs, n, tree, capture: asked.append(len(seqs)) or forward(engine, seqs, n, tree,
+                                                                                                 capture))
+    contexts = [ids + r.tokens[: len(r.tokens) // 2] for ids, r in zip(prompts, results)]
+    out = verify_forward_s(engine, contexts, [(1, False), (3, False), (4, True)], batches=sizes)
+    assert set(out) == {(1, False), (3, False), (4, True)}
+    assert all(sorted(t) == [1, 2, 3, 4] and min(t.values()) > 0 for t in out.values())
+    assert sorted(set(asked)) == [1, 2, 3, 4]
+    c, v, cost = step_costs(SpecTimings(draft_s=0.01, draft_forwards=2, step_s=0.05, steps=2), timing,
+                            (out[3, False], out[1, False]))
+    assert cost.decode_batch_steps == timing.decode_batches  # the weights of the forwards timed at each size
+    assert cost.verify_forward_ms > 0 and cost.decode_forward_ms > 0
 
 
 def test_a_plain_run_leaves_prefill_and_mixed_steps_out_of_the_decode_mean(prompts):
