@@ -9,7 +9,8 @@ For each report, its own draft and every comparison draft (``eval.compare``), at
    per step, the expected and measured speedup, lossless;
 2. the best tree's measured speedup beside the best chain's;
 3. every point's expected speedup τ / (v + f·c), from costs measured apart from the speculative run's wall time
-   (c: the timed draft forwards; v: the verify forward over a one-token forward, probed), against the measured one.
+   (c: the timed draft forwards; v: the plain decode step with its forward widened to the verify's tokens, both
+   in plain decode steps, the forwards probed at the run's batch sizes), against the measured one.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def main() -> None:
     print("\n".join(rows[0]))
     print("\n| target | draft | T | best tree | best chain |\n|---|---|---|---|---|")
     print("\n".join(rows[1]))
-    print("\n| target | draft | setting | T | v (probed) | f·c | expected τ / (v + f·c) | measured | expected / measured "
+    print("\n| target | draft | setting | T | v | f·c | expected τ / (v + f·c) | measured | expected / measured "
           "- 1 |\n|" + "---|" * 9)
     print("\n".join(rows[2]))
     print("\n" + measured_on(devices))
