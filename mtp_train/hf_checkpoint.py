@@ -66,12 +66,16 @@ def find_checkpoint(root: Path, field: str = "target.path") -> CheckpointFiles:
 
 
 def check_target(ckpt: CheckpointFiles, tp: int, field: str = "target.tp") -> None:
-    """Refuse an unsupported family first, then a TP degree that does not divide the attention or KV heads."""
+    """Refuse an unsupported family first, then a TP degree that does not divide the attention or KV heads, or the
+    MLP or expert channels."""
     require_family(ckpt.config, str(ckpt.root / "config.json"))
     heads = int(ckpt.config.get("num_attention_heads", 0))
     kv_heads = int(ckpt.config.get("num_key_value_heads", heads))
     if heads <= 0:
         raise UserError(f"{ckpt.root / 'config.json'}: key 'num_attention_heads' is missing or not positive")
-    for name, n in (("attention heads", heads), ("KV heads", kv_heads)):
+    channels = [("MLP channels", int(ckpt.config.get("intermediate_size") or 0))]
+    if ckpt.config.get("moe_intermediate_size"):
+        channels.append(("expert channels", int(ckpt.config["moe_intermediate_size"])))
+    for name, n in (("attention heads", heads), ("KV heads", kv_heads), *channels):
         if n % tp:
             raise UserError(f"{field}: {tp} does not divide the target's {n} {name}; choose a divisor of {n}")

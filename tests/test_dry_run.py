@@ -208,6 +208,8 @@ REFUSALS = (
             ("eval.prompt_sets: `heldout` needs data.heldout_rows > 0",)),
     Refusal("no-room-for-prompts", ("eval", TINY, "eval.max_new_tokens=2048"),
             ("eval.prompt_sets: no prompt fits the target's 2048 positions with eval.max_new_tokens=2048",)),
+    Refusal("tp-mlp-channels", (TINY, "target.path={odd_mlp}", "target.tp=2"),
+            ("target.tp: 2 does not divide the target's 383 MLP channels; choose a divisor of 383",)),
     Refusal("draft-model-vocab", ("eval", TINY, "eval.draft_model={other_vocab}"),
             ("draft model vocab 5000 differs from the target's 4096",)),
     # export: the format against the head's kind and the target's family
@@ -225,11 +227,13 @@ REFUSALS = (
 @pytest.fixture
 def stand_ins(tmp_path) -> dict[str, str]:
     """Checkpoints a dry run reads the config of (no weights): the tiny target as a Mistral with a sliding window,
-    and with another vocabulary (a draft model that does not share its tokenizer)."""
+    with another vocabulary (a draft model that does not share its tokenizer), and with MLP channels that TP=2 does
+    not divide."""
     made = {}
     for name, change in (("sliding", {"model_type": "mistral", "architectures": ["MistralForCausalLM"],
                                       "sliding_window": 64}),
-                         ("other_vocab", {"vocab_size": 5000})):
+                         ("other_vocab", {"vocab_size": 5000}),
+                         ("odd_mlp", {"intermediate_size": 383})):
         root = tmp_path / name
         root.mkdir()
         config = {**json.loads((TINY_TARGET / "config.json").read_text()), **change}
