@@ -3,10 +3,14 @@ step, and decoding with a tree is lossless for every draft kind, under page pres
 
 from __future__ import annotations
 
+import inspect
+import textwrap
+
 import pytest
 import torch
 
 from conftest import TINY_TARGET
+import mtp_train.runtime.tree as tree_module
 from mtp_train.models.checkpoint import load_transformer
 from mtp_train.runtime.drafters import BigramDrafter, DraftModelDrafter, head_drafter
 from mtp_train.runtime.engine import Engine
@@ -15,17 +19,66 @@ from mtp_train.runtime.speculative import SpeculativeDecoder
 from mtp_train.runtime.tree import TreeShape, accept_tree, build_tree, path_of
 from mtp_train.runtime.tree_decoder import TreeDecoder
 from mtp_train.train.checkpoint import load_head
-from test_acceptance import CHI2_CRITICAL_P001, DRAFTS, T, V, chi_square
+from test_acceptance import chi_square
 from test_speculative import GREEDY, PRESSURE_PAGES, decode, prompts, random_draft, reference  # noqa: F401
 
-TRIALS = 3000
-SHAPE = TreeShape(topk=3, depth=2, draft_tokens=5)  # 3 children of the root, 9 grandchildren, 4 of 12 kept
+# --- the acceptance rule on a toy ---------------------------------------------------------------------------
+#
+# Target and draft are first-order Markov chains on V = 6 tokens (each node's distributions depend on its token
+# alone), every row its own random distribution (softmax of Gaussian logits, floored at 0.05), so the rows' sorted
+# values differ and which candidates the pruning keeps depends on the root and on what was drawn: 65 tree shapes
+# in the 6,000 first steps of the poor draft, the root keeping 1 to 4 children. The "poor" draft is spiky and
+# unrelated to the target (total variation 0.38 to 0.66 per row), so the first siblings are often rejected: the
+# rule tests the root's third child in 20% of steps, its fourth in 6%, and accepts 0 to 3 deep. The "good" one is
+# 85% target and 15% uniform: the root's first child is accepted in 97% of steps, and most paths run the tree's
+# two levels (its flatter scores keep no third; the poor draft's paths reach it in 6% of steps). Each sequence's
+# tree may be accepted to depth 1, 2 or 3 (``accept_tree``'s ``depth``), and each of the V roots starts TRIALS / V
+# sequences.
+#
+# The statistic: the first two tokens emitted after each root (two tree steps), Pearson's chi-square of each
+# root's V² pairs against P(a, b | r) = T[r][a] T[a][b], summed over the roots: V (V² - 1) = 210 degrees of
+# freedom, rejected at p = 0.001 (critical value 279.1). TRIALS is set by the chi-square's rule of five expected
+# per cell: 1,000 sequences per root give the least likely pair (P = 0.0055) 5.5.
+#
+# Its power against issue #47's mutation, ``q_s = left`` (a later sibling tested against the residual draft
+# distribution unrenormalised): over 120,000 sequences of the poor draft the mutant's pair frequencies f give a
+# noncentrality of 0.080 per sequence (lambda = N / V times the sum of (f - P)² / P over roots and pairs), so at
+# TRIALS lambda = 481 on 210 degrees of freedom and the mutant escapes with probability 7e-27; 95% power at
+# p = 0.001 needs lambda = 117, 1,460 sequences. Measured over seeds 0..39 (``_measure``, not in the suite): the
+# mutant is rejected 40 times in 40 (its largest p 3e-44); the honest rule passes 40 in 40 with the poor draft
+# (mean p 0.50, 1 below 0.05, 22 below 0.5) and 40 in 40 with the good one (mean p 0.51, 4 below 0.05, 16 below
+# 0.5).
+#
+# The toy of tests/test_acceptance.py (V = 5, every row the same sorted values, so one pruned shape, at most two
+# siblings tried), as this test used it (topk 3, depth 2, 5 draft tokens, 3,000 sequences from token 0, the
+# pairs' 24 degrees of freedom), gives the mutant a noncentrality of 0.0021 per sequence with the bad draft
+# (0.00006 with the good one): power 1.7% at 3,000, 95% from 25,000. At its seed 7 the mutant's chi-square was
+# 42.2 < 51.2 (p 0.012): it passed.
+
+V = 6
+TRIALS = 6000  # sequences, TRIALS / V per root
+SEED = 7
+SHAPE = TreeShape(topk=4, depth=3, draft_tokens=10)  # 4 children, 16 + 16 grandchildren, 9 of 36 kept
+P_CRITICAL = 0.001
 
 
-def _toy_step(root: torch.Tensor, draft: torch.Tensor, gen: torch.Generator, honest: bool = True) -> list[list[int]]:
-    """One tree step of B toy sequences whose last tokens are ``root [B]``: target and draft are first-order Markov
-    chains (``T`` and ``draft``, both ``[V, V]``), so each node's distributions depend on its token alone.
-    ``honest=False`` tells the rule the draft drew from the target (a broken rule, the negative control)."""
+def _chain(scale: float, gen: torch.Generator) -> torch.Tensor:
+    """``[V, V]`` transitions: each row the softmax of its own Gaussian logits (``scale`` their spread), floored."""
+    rows = torch.softmax(torch.randn((V, V), generator=gen, dtype=torch.float64) * scale, -1)
+    return 0.7 * rows + 0.3 / V
+
+
+_TOY = torch.Generator().manual_seed(47)
+T = _chain(1.0, _TOY)
+DRAFTS = {"poor": _chain(2.5, _TOY), "good": 0.85 * T + 0.15 / V}
+
+
+def _toy_step(root: torch.Tensor, draft: torch.Tensor, limit: torch.Tensor, gen: torch.Generator,
+              rule=accept_tree, honest: bool = True):
+    """One tree step of B toy sequences whose last tokens are ``root [B]``, each accepted at most ``limit [B]``
+    deep -> ``emitted [B, depth + 1]`` (the accepted drafts, then the next token, then padding), ``accepted [B]``,
+    the tree and the leaf. ``honest=False`` tells the rule the draft drew from the target (a broken rule, the
+    negative control)."""
     batch = root.shape[0]
     params = [SamplingParams(temperature=1.0)] * batch
     u = torch.rand((batch, SHAPE.uniforms), generator=gen, dtype=torch.float64)
@@ -35,36 +88,121 @@ def _toy_step(root: torch.Tensor, draft: torch.Tensor, gen: torch.Generator, hon
     if not honest:
         tree.q = p
     m, n = SHAPE.candidates, SHAPE.draft_tokens
-    accepted, token, leaf = accept_tree(tree, SHAPE.depth, p, torch.full((batch,), SHAPE.depth), u[:, m : m + n - 1],
-                                        u[:, m + n - 1])
+    accepted, token, leaf = rule(tree, SHAPE.depth, p, limit, u[:, m : m + n - 1], u[:, m + n - 1])
     drafts = tree.tokens.gather(1, path_of(tree, leaf, SHAPE.depth))[:, 1:]
-    return [drafts[b, : accepted[b]].tolist() + [int(token[b])] for b in range(batch)]
+    emitted = torch.cat([drafts, torch.zeros_like(drafts[:, :1])], 1).scatter_(1, accepted[:, None], token[:, None])
+    return emitted, accepted, tree, leaf
 
 
-def _pair_counts(draft: torch.Tensor, honest: bool = True) -> torch.Tensor:
-    """Counts of the first two tokens emitted after token 0 over ``TRIALS`` sequences, two tree steps each."""
-    gen = torch.Generator().manual_seed(7)
-    out = _toy_step(torch.zeros(TRIALS, dtype=torch.int64), draft, gen, honest)
-    second = _toy_step(torch.tensor([o[-1] for o in out]), draft, gen, honest)
-    counts = torch.zeros(V * V, dtype=torch.float64)
-    for a, b in zip(out, second):
-        first_two = (a + b)[:2]
-        counts[first_two[0] * V + first_two[1]] += 1
-    return counts
+def _toy_rows(trials: int = TRIALS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's root (every token, ``trials / V`` times) and how deep its trees may be accepted (1..depth)."""
+    rows = torch.arange(trials)
+    return rows % V, 1 + (rows // V) % SHAPE.depth
 
 
-@pytest.mark.parametrize("draft", ["bad", "good"])
+def _pair_counts(draft: torch.Tensor, seed: int = SEED, rule=accept_tree, honest: bool = True,
+                 trials: int = TRIALS) -> torch.Tensor:
+    """``[V, V * V]``: per root, the counts of the first two tokens emitted after it, two tree steps each."""
+    gen = torch.Generator().manual_seed(seed)
+    root, limit = _toy_rows(trials)
+    first, accepted, *_ = _toy_step(root, draft, limit, gen, rule, honest)
+    then, *_ = _toy_step(first.gather(1, accepted[:, None])[:, 0], draft, limit, gen, rule, honest)
+    second = torch.where(accepted >= 1, first[:, 1], then[:, 0])
+    cells = (root * V + first[:, 0]) * V + second
+    counts = torch.zeros(V**3, dtype=torch.float64).index_add_(0, cells, torch.ones(trials, dtype=torch.float64))
+    return counts.view(V, V * V)
+
+
+def _p_value(counts: torch.Tensor) -> tuple[float, float]:
+    """Chi-square of each root's pairs against the target's, summed -> (statistic, p) on V (V² - 1) degrees."""
+    pairs = (T[:, :, None] * T[None]).reshape(V, -1)  # P(a, b | r) = T[r][a] T[a][b]
+    stat = sum(chi_square(counts[r], pairs[r]) for r in range(V))
+    dof = torch.tensor(V * (V * V - 1) / 2, dtype=torch.float64)
+    return stat, float(torch.special.gammaincc(dof, torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+_RENORMALISED = "q_s = left if s == 0 else left / left.sum(-1, keepdim=True).clamp(min=1e-300)"
+
+
+def _unrenormalised_rule():
+    """``accept_tree`` with issue #47's mutation, its one line ``q_s = left``: a later sibling is tested against
+    the residual draft distribution as it is, not renormalised. Compiled from ``accept_tree``'s own source with
+    that line replaced, so it is the production rule but for the line."""
+    source = textwrap.dedent(inspect.getsource(tree_module.accept_tree))
+    assert source.count(_RENORMALISED) == 1, "accept_tree's sibling distribution moved: update _RENORMALISED"
+    namespace = dict(vars(tree_module))
+    exec(compile(source.replace(_RENORMALISED, "q_s = left"), tree_module.__file__, "exec"), namespace)
+    return namespace["accept_tree"]
+
+
+def test_the_toy_trees_vary_in_shape_and_try_third_siblings():
+    """The rows' sorted values differ, the pruned trees take many shapes, and the poor draft's rule often tests
+    the root's third or fourth child (its first two rejected)."""
+    assert len({tuple(row.tolist()) for row in T.sort(-1).values}) == V
+    root, limit = _toy_rows(1200)
+    _, accepted, tree, leaf = _toy_step(root, DRAFTS["poor"], limit, torch.Generator().manual_seed(SEED))
+    assert len({tuple(row.tolist()) for row in tree.parent}) >= 50
+    assert torch.bincount((tree.children[:, 0] >= 0).sum(1), minlength=SHAPE.topk + 1)[1:].min() > 0
+    first = path_of(tree, leaf, SHAPE.depth)[:, 1]  # the accepted child of the root, when there is one
+    rank = (tree.children[:, 0] == first[:, None]).long().argmax(1)
+    tried = torch.where(accepted > 0, rank + 1, (tree.children[:, 0] >= 0).sum(1))  # the root's children tested
+    assert float((tried >= 3).double().mean()) > 0.15 and int((tried == 4).sum()) > 0
+
+
+@pytest.mark.parametrize("draft", ["poor", "good"])
 def test_tree_acceptance_keeps_the_targets_distribution(draft):
-    """Over 3,000 sequences, the first two emitted tokens follow the target (chi-square, p = 0.001), with children
-    drawn without replacement, pruned by score and tried in draw order."""
-    pairs = (T[0][:, None] * T).reshape(-1)  # P(a, b) = T[0][a] T[a][b]
-    assert chi_square(_pair_counts(DRAFTS[draft][1]), pairs) < CHI2_CRITICAL_P001[24]
+    """Over 6,000 sequences, the first two emitted tokens after each root follow the target (chi-square,
+    p = 0.001), with children drawn without replacement, pruned by score and tried in draw order."""
+    stat, p = _p_value(_pair_counts(DRAFTS[draft]))
+    assert p > P_CRITICAL, (stat, p)
 
 
 def test_the_tree_chi_square_catches_a_broken_rule():
     """The negative control: a rule that takes the draft's distribution for the target's emits the draft's."""
-    pairs = (T[0][:, None] * T).reshape(-1)
-    assert chi_square(_pair_counts(DRAFTS["bad"][1], honest=False), pairs) > CHI2_CRITICAL_P001[24]
+    stat, p = _p_value(_pair_counts(DRAFTS["poor"], honest=False))
+    assert p < P_CRITICAL, (stat, p)
+
+
+def test_the_tree_chi_square_catches_an_unrenormalised_sibling_draft():
+    """Issue #47's mutation, ``q_s = left`` in ``accept_tree``, is rejected: at SEED chi-square 736 > 279.1
+    (p 1e-59), where the honest rule gives 215 (p 0.40). So the test above fails on it with the poor draft (the
+    good draft's rule seldom reaches a second sibling, and passes either way)."""
+    stat, p = _p_value(_pair_counts(DRAFTS["poor"], rule=_unrenormalised_rule()))
+    assert p < P_CRITICAL, (stat, p)
+
+
+def _chi2_sf(dof: float, x: float) -> float:
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(x / 2, dtype=torch.float64)))
+
+
+def _measure(seeds: int = 40, big: int = 120_000) -> None:
+    """The numbers in the comment above (not part of the suite): ``.venv/bin/python tests/test_tree.py [seeds]``.
+    The mutant's noncentrality per sequence from ``big`` sequences, the power it gives, then each rule's p over
+    ``seeds`` seeds at TRIALS."""
+    import math
+
+    mutant, dof = _unrenormalised_rule(), V * (V * V - 1)
+    pairs, per_root = (T[:, :, None] * T[None]).reshape(V, -1), big / V
+    frequencies = _pair_counts(DRAFTS["poor"], seed=12345, rule=mutant, trials=big) / per_root
+    per_sequence = (float(((frequencies - pairs) ** 2 / pairs).sum()) - dof / per_root) / V  # less the noise's bias
+    critical = next(x / 10 for x in range(2000, 10000) if _chi2_sf(dof, x / 10) < P_CRITICAL)
+
+    def power(n: int) -> float:  # the noncentral chi-square's tail: a Poisson(lambda / 2) mixture of central ones
+        half = per_sequence * n / 2
+        return sum(math.exp(j * math.log(half) - half - math.lgamma(j + 1)) * _chi2_sf(dof + 2 * j, critical)
+                   for j in range(int(4 * half) + 200))
+
+    enough = next(n for n in range(100, 10**5, 20) if power(n) >= 0.95)
+    print(f"noncentrality {per_sequence:.4f} per sequence, {per_sequence * TRIALS:.0f} at TRIALS (critical "
+          f"{critical}): power {power(TRIALS):.6f}; 95% from {enough} sequences")
+    for name, draft, rule in [("mutant", "poor", mutant), ("honest", "poor", accept_tree),
+                              ("honest", "good", accept_tree)]:
+        ps = torch.tensor([_p_value(_pair_counts(DRAFTS[draft], seed=seed, rule=rule))[1] for seed in range(seeds)],
+                          dtype=torch.float64)
+        print(f"{name} rule, {draft} draft: rejected {int((ps < P_CRITICAL).sum())} of {seeds}; p from "
+              f"{float(ps.min()):.3g} to {float(ps.max()):.3g}, mean {float(ps.mean()):.3f}, "
+              f"{int((ps < 0.05).sum())} below 0.05, {int((ps < 0.5).sum())} below 0.5", flush=True)
 
 
 def test_a_tree_shape_names_its_bounds():
@@ -143,3 +281,9 @@ def test_tree_sampling_follows_the_target(request, kind):
         chi2, critical = chi_square_two_samples([r.tokens[position] for r in plain],
                                                 [r.tokens[position] for r in spec])
         assert chi2 < critical, (position, chi2, critical)
+
+
+if __name__ == "__main__":
+    import sys
+
+    _measure(*map(int, sys.argv[1:]))
