@@ -15,7 +15,7 @@ import json
 import os
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,7 +25,7 @@ import torch
 
 from mtp_train.errors import UserError
 from mtp_train.hf_checkpoint import find_checkpoint
-from mtp_train.lock import exclusive, rank_lock
+from mtp_train.lock import directory_lock, exclusive, merge_lock, rank_lock, shared
 from mtp_train.models.config import ModelConfig
 from mtp_train.recipe import Recipe
 from mtp_train.threads import set_threads, warn_if_oversubscribed
@@ -97,9 +97,40 @@ def run_precompute(
     device = default_device()
     tp = init_tensor_parallel(recipe.target.tp, device)
     rank = job.worker.rank
-    # The TP group's leader alone writes this worker's files; it holds them until the end.
-    with exclusive(rank_lock(job.out, rank), f"precompute rank {rank}", rank) if tp.is_leader else nullcontext():
+    # The TP group's leader alone writes this worker's files; it holds them until the end, and the directory with the
+    # other ranks of its job only (same world size and fingerprint): another layout's ranks would drop its manifests.
+    with ExitStack() as holds:
+        if tp.is_leader:
+            holds.enter_context(shared(directory_lock(job.out), f"precompute rank {rank}", *layout(job)))
+            holds.enter_context(exclusive(rank_lock(job.out, rank), f"precompute rank {rank}", rank))
         return _precompute(job, device, tp, overwrite, start)
+
+
+MERGE_WAIT_S = 60.0  # how long a rank waits for another to finish writing or dropping the merged manifest
+
+
+def layout(job: Job) -> tuple[dict, str]:
+    """The key the ranks of one precompute share a features directory by, and what it is in words."""
+    digest = text_fingerprint(json.dumps(job.fingerprint, sort_keys=True))[:12]
+    return ({"world_size": job.worker.world, "fingerprint": digest},
+            f"a precompute of world size {job.worker.world} (features fingerprint {digest})")
+
+
+def drop_merged(job: Job, overwrite: bool) -> None:
+    """Remove the merged manifest, stale until every rank is complete again, under the merge lock (a rank merging now
+    cannot write it back from manifests read before this rank dropped its own). One made with other settings or
+    another world size is no rank's of this run to drop without ``--overwrite``."""
+    path = job.out / MERGED
+    with exclusive(merge_lock(job.out), f"precompute rank {job.worker.rank}", wait=MERGE_WAIT_S, point=None):
+        if not path.is_file():
+            return
+        old = None if overwrite else load_manifest(path)
+        if old is not None and old.fingerprint != job.fingerprint:
+            why = (f"world size {old.world_size}" if old.world_size != job.worker.world else
+                   "other settings or inputs")
+            raise UserError(f"{path}: features made with {why} are complete here; rerun with --overwrite to replace "
+                            "them, or give this run another output directory")
+        path.unlink()
 
 
 def _precompute(job: Job, device: torch.device, tp: TensorParallel, overwrite: bool, start: float) -> Manifest:
@@ -116,8 +147,8 @@ def _precompute(job: Job, device: torch.device, tp: TensorParallel, overwrite: b
     by_file = mask_counts(data, rows, encoded)
     manifest, index = old or new_manifest(job, data, encoded)
     plan = plan_shards(rows, encoded, recipe.precompute.shard_tokens, manifest, index, job.out)
-    if tp.is_leader and len(manifest.shards) < len(plan) and (job.out / MERGED).is_file():
-        (job.out / MERGED).unlink()  # stale until every rank is complete again
+    if tp.is_leader and len(manifest.shards) < len(plan):
+        drop_merged(job, overwrite)  # stale until every rank is complete again
     report_plan(job, plan, manifest, by_file)
     if online:
         if tp.is_leader:
@@ -290,7 +321,8 @@ def finish(job: Job, manifest: Manifest, index: RankIndex, start: float) -> Mani
     manifest.complete = True
     save_rank(job.out, job.worker.rank, manifest, index)
     out, world = job.out, job.worker.world
-    merged = merge_manifests(out, world)
+    with exclusive(merge_lock(out), f"precompute rank {job.worker.rank}", wait=MERGE_WAIT_S, point=None):
+        merged = merge_manifests(out, world)
     totals = manifest.totals()
     what = (f"planned {totals['tokens']:,} tokens in {len(manifest.shards)} shards for online training (nothing "
             "stored)" if manifest.online else f"wrote {totals['tokens']:,} tokens in {len(manifest.shards)} shards, "
