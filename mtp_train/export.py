@@ -66,13 +66,8 @@ def export_head(recipe: Recipe, fmt: str, out: Path | None = None) -> Path:
         raise UserError(f"{root}: no trained {recipe.head.kind} head; run `mtp-train train` first")
     head = load_trained_head(root, recipe.target.path, target)  # another target, hidden size or vocabulary: refused
     spec = head.spec
-    check_format(spec.kind, target.family, fmt, root)
+    check_format(spec.kind, target.family, fmt, root, spec.num_layers)
     _check_servable(spec.kind, spec.choices, target.family, "vllm" if fmt == "speculators" else fmt, root)
-    if spec.kind == "dflash" and fmt == "vllm" and spec.num_layers > 1:
-        raise UserError(f"{root}: a dflash head of {spec.num_layers} layers cannot be exported for vLLM: vLLM 0.32's "
-                        "DFlash loader normalises every layer's context keys with one k_norm weight row, so the "
-                        "layers past the first would run with other keys than they were trained with; train "
-                        "head.num_layers=1 to export it, or serve this one with this runtime (`mtp-train eval`)")
 
     out = out or recipe.export_dir(fmt)
     tmp = fresh_dir(out.with_name(f".{out.name}.tmp"))
@@ -97,9 +92,10 @@ def export_head(recipe: Recipe, fmt: str, out: Path | None = None) -> Path:
     return out
 
 
-def check_format(kind: str, family: str, fmt: str, root: Path) -> None:
-    """Refuse ``fmt`` for the ``kind`` head at ``root`` on a ``family`` target where no engine of the format loads it:
-    the recipe (``head.kind``), the target's config and ``--format`` decide it alone, so
+def check_format(kind: str, family: str, fmt: str, root: Path, num_layers: int) -> None:
+    """Refuse ``fmt`` for the ``kind`` head of ``num_layers`` layers at ``root`` on a ``family`` target where no engine
+    of the format loads it: the recipe (``head.kind``, ``head.num_layers``), the target's config and ``--format``
+    decide it alone, so
     ``mtp_train.pipeline.check_recipe`` refuses it before the export runs. (The conventions the head was trained in
     are its own config.json's: ``_check_servable``.)"""
     if kind == "dflash" and fmt != "vllm":
@@ -119,6 +115,15 @@ def check_format(kind: str, family: str, fmt: str, root: Path) -> None:
         raise UserError(f"{root}: {engine}'s EAGLE-1 loader builds a Llama decoder layer; a {family} target's head "
                         "(its decoder layer) would not load there as trained; serve it with this runtime "
                         "(`mtp-train eval`)")
+    if kind == "dflash" and num_layers > 1:
+        raise UserError(f"{root}: a dflash head of {num_layers} layers cannot be exported for vLLM: vLLM 0.32's "
+                        "DFlash loader normalises every layer's context keys with one k_norm weight row, so the "
+                        "layers past the first would run with other keys than they were trained with; train "
+                        "head.num_layers=1 to export it, or serve this one with this runtime (`mtp-train eval`)")
+    if kind == "mtp" and num_layers > 1:
+        raise UserError(f"{root}: an mtp head of {num_layers} layers cannot be exported in the DeepSeek-V3 layout, "
+                        "which holds one decoder layer per MTP layer; train head.num_layers=1 to export it, or serve "
+                        "this one with this runtime (`mtp-train eval`)")
 
 
 def _check_servable(kind: str, head, family: str, fmt: str, root: Path) -> None:

@@ -147,7 +147,7 @@ def check_recipe(recipe: Recipe, stages: tuple[Stage, ...], export_format: str |
     if "export" in names and export_format is not None:
         from mtp_train.export import check_format
 
-        check_format(recipe.head.kind, cfg.family, export_format, recipe.head_dir())
+        check_format(recipe.head.kind, cfg.family, export_format, recipe.head_dir(), recipe.head.num_layers)
 
 
 def check_data(recipe: Recipe, stages: tuple[Stage, ...]) -> list[str]:

@@ -219,6 +219,11 @@ REFUSALS = (
             ("--format speculators:", "is an mtp head; the speculators format holds eagle3")),
     Refusal("export-mtp-llama", ("export", TINY, "--format", "vllm"),
             ("an mtp head on a llama target cannot be exported for vLLM",)),
+    Refusal("export-dflash-layers", ("export", TINY, "--format", "vllm", "head.kind=dflash", "head.num_layers=2"),
+            ("a dflash head of 2 layers cannot be exported for vLLM", "k_norm", "head.num_layers=1")),
+    Refusal("export-mtp-layers", ("export", TINY_DEEPSEEK, "--format", "vllm", "target.path={deepseek_v3}",
+                                  "head.num_layers=2"),
+            ("an mtp head of 2 layers cannot be exported in the DeepSeek-V3 layout", "head.num_layers=1")),
     Refusal("export-eagle-deepseek", ("export", TINY_DEEPSEEK, "--format", "sglang", "head.kind=eagle"),
             ("SGLang's EAGLE-1 loader builds a Llama decoder layer; a deepseek_v2 target's head",)),
 )
@@ -228,15 +233,19 @@ REFUSALS = (
 def stand_ins(tmp_path) -> dict[str, str]:
     """Checkpoints a dry run reads the config of (no weights): the tiny target as a Mistral with a sliding window,
     with another vocabulary (a draft model that does not share its tokenizer), and with MLP channels that TP=2 does
-    not divide."""
+    not divide; the tiny DeepSeek target as a DeepSeek-V3 (whose MTP layers the engines serve)."""
     made = {}
-    for name, change in (("sliding", {"model_type": "mistral", "architectures": ["MistralForCausalLM"],
-                                      "sliding_window": 64}),
-                         ("other_vocab", {"vocab_size": 5000}),
-                         ("odd_mlp", {"intermediate_size": 383})):
+    deepseek = REPO / "recipes" / "tiny-deepseek" / "target"
+    for name, base, change in (("sliding", TINY_TARGET, {"model_type": "mistral", "sliding_window": 64,
+                                                          "architectures": ["MistralForCausalLM"]}),
+                               ("other_vocab", TINY_TARGET, {"vocab_size": 5000}),
+                               ("odd_mlp", TINY_TARGET, {"intermediate_size": 383}),
+                               ("deepseek_v3", deepseek, {"model_type": "deepseek_v3", "scoring_func": "sigmoid",
+                                                          "topk_method": "noaux_tc",
+                                                          "architectures": ["DeepseekV3ForCausalLM"]})):
         root = tmp_path / name
         root.mkdir()
-        config = {**json.loads((TINY_TARGET / "config.json").read_text()), **change}
+        config = {**json.loads((base / "config.json").read_text()), **change}
         (tmp_path / f"{name}.json").write_text(json.dumps(config))
         made[name] = str(stand_in_checkpoint(root, tmp_path / f"{name}.json"))
     return made
@@ -338,6 +347,8 @@ RECIPE_SITES = {
         "export-speculators-mtp",
     "mtp_train/export.py::check_format: {}: an mtp head on a {} target cannot be exporte": "export-mtp-llama",
     "mtp_train/export.py::check_format: {}: {}'s EAGLE-1 loader builds a Llama decoder l": "export-eagle-deepseek",
+    "mtp_train/export.py::check_format: {}: a dflash head of {} layers cannot be exporte": "export-dflash-layers",
+    "mtp_train/export.py::check_format: {}: an mtp head of {} layers cannot be exported": "export-mtp-layers",
 }
 
 FEATURES = "the features precompute wrote (manifest, index, shards) or their online plan"
