@@ -136,7 +136,7 @@ def check_recipe(recipe: Recipe, stages: tuple[Stage, ...], export_format: str |
 
         check_precompute(recipe, cfg)
     if "train" in names:
-        from mtp_train.train.trainer import check_recipe as check_train
+        from mtp_train.train.recipe_checks import check_recipe as check_train
 
         for kind in head_kinds(recipe):
             check_train(_with_head(recipe, kind), cfg)

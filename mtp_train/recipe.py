@@ -22,6 +22,7 @@ from pydantic import (
 
 from mtp_train.errors import UserError
 from mtp_train.recipe_eval import EvalConfig
+from mtp_train.recipe_rules import check_rules
 from mtp_train.recipe_types import PROMPT_SETS, RecipePath, Section  # noqa: F401 (PROMPT_SETS: the eval's)
 
 
@@ -257,21 +258,10 @@ class Recipe(Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
 
     @model_validator(mode="after")
-    def _dflash_drafts_within_its_block(self) -> Recipe:
-        """A dflash head trains block positions 1..block_size-1 only: the eval (its head, or a dflash comparison)
-        may not draft past them, in a chain (``eval.k``) or a tree (``eval.trees``' depth)."""
-        head = self.eval.draft == "head" and self.eval.draft_model is None and self.head.kind == "dflash"
-        if not head and "dflash" not in self.eval.compare:
-            return self
-        size = self.head.block_size
-        trained = f"past what a dflash head of head.block_size {size} trains (draft positions 1..{size - 1})"
-        if max(self.eval.k) >= size:
-            raise ValueError(f"eval.k: k = {max(self.eval.k)} drafts {trained}; lower eval.k to at most {size - 1}, "
-                             f"or set head.block_size to at least {max(self.eval.k) + 1} and train again")
-        deepest = max((t.depth for t in self.eval.trees), default=0)
-        if deepest >= size:
-            raise ValueError(f"eval.trees: depth {deepest} drafts {trained}; lower the depth to at most {size - 1}, "
-                             f"or set head.block_size to at least {deepest + 1} and train again")
+    def _rules_across_sections(self) -> Recipe:
+        """Relations between sections that a stage would refuse (``recipe_rules``): refused when the recipe is read, so
+        that ``--dry-run`` refuses them and no stage runs first."""
+        check_rules(self)
         return self
 
     def head_kinds(self) -> list[str]:
@@ -279,24 +269,6 @@ class Recipe(Section):
         layer), then the head kinds that ``eval.compare`` asks to compare against."""
         first = [self.head.kind] if self.eval.draft == "head" else []
         return first + [k for k in dict.fromkeys(self.eval.compare) if k in HEAD_KINDS and k not in first]
-
-    @model_validator(mode="after")
-    def _trained_heads_take_the_train_settings(self) -> Recipe:
-        """``train`` and ``head`` settings that a head the train stage trains (``head_kinds``) cannot take: refused
-        when the recipe is read, so that ``--dry-run`` refuses them and no stage runs first."""
-        kinds = self.head_kinds()
-
-        def named(kind: str) -> str:
-            return (f"head.kind {kind}" if self.eval.draft == "head" and kind == self.head.kind
-                    else f"eval.compare trains {kind}")
-
-        if "dflash" in kinds and self.train.mask_gate == "input":
-            raise ValueError("train.mask_gate: `input` gates a chain head's steps; a dflash block's predictions are "
-                             f"gated by their own labels ({named('dflash')}): set train.mask_gate: label")
-        if "eagle3" in kinds and self.head.num_layers != 1:
-            raise ValueError(f"head.num_layers: an eagle3 head has one decoder layer ({named('eagle3')}), not "
-                             f"{self.head.num_layers}: set head.num_layers: 1")
-        return self
 
     # Every path a run writes, in one place.
     @property

@@ -237,11 +237,12 @@ def test_target_mtp_without_an_mtp_layer_is_a_one_line_error(trained_run, tmp_pa
 
 def test_an_mtp_head_of_a_v2_target_is_not_exported(tmp_path):
     """vLLM and SGLang turn only DeepSeek-V3-family configs into their MTP model: a V2 target's head is refused."""
-    from mtp_train.export import _check_servable
+    from mtp_train.export import _check_servable, check_format
     from mtp_train.heads.conventions import choices
 
     with pytest.raises(UserError, match="no serving engine loads an MTP layer for this family .*DeepSeek-V3-family"):
-        _check_servable("mtp", choices("mtp", "vllm"), "deepseek_v2", "vllm", tmp_path)
+        check_format("mtp", "deepseek_v2", "vllm", tmp_path, 1)
+    check_format("mtp", "deepseek_v3", "vllm", tmp_path, 1)
     _check_servable("mtp", choices("mtp", "vllm"), "deepseek_v3", "vllm", tmp_path)  # served: no error
     with pytest.raises(UserError, match="head.convention=sglang"):
         _check_servable("mtp", choices("mtp", "vllm"), "deepseek_v3", "sglang", tmp_path)

@@ -34,11 +34,10 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from mtp_train.errors import UserError
-from mtp_train.heads import AUX_KINDS, DraftHead, HeadSpec, head_spec
+from mtp_train.heads import AUX_KINDS, DraftHead, HeadSpec
 from mtp_train.heads.frozen import FrozenTarget
 from mtp_train.io import crash_point, pause_point
 from mtp_train.lock import exclusive, rank_lock
-from mtp_train.models.config import ModelConfig
 from mtp_train.progress import Progress
 from mtp_train.recipe import Recipe
 from mtp_train.threads import leave_signals_to_main_thread, set_threads, warn_if_oversubscribed
@@ -51,7 +50,8 @@ from mtp_train.train.distributed import (EXIT_STOPPED, StopRequest, make_acceler
 from mtp_train.train.loss import LossWeights, StepMetrics
 from mtp_train.train.objective import heldout_batches, loss_weights, objective, validate
 from mtp_train.train.records import append_record, start_wandb, trim_log
-from mtp_train.train.vocab import aux_indices, draft_vocab_size
+from mtp_train.train.recipe_checks import recipe_head_spec
+from mtp_train.train.vocab import aux_indices
 from mtp_train.features.manifest import text_fingerprint
 from mtp_train.features.online import Features, OnlineFeatures, open_features
 from mtp_train.train.online import OnlineScoring
@@ -93,31 +93,6 @@ def _train(trainer: Trainer) -> Path:
             trainer.stop()
             sys.exit(EXIT_STOPPED)
     return trainer.finish()
-
-
-def recipe_head_spec(recipe: Recipe, cfg: ModelConfig, fingerprint: str, aux_layers: tuple[int, ...]) -> HeadSpec:
-    """The spec of the recipe's head (``head.kind``) on a target of ``cfg``, reading its layers ``aux_layers``."""
-    h, vocab = recipe.head, cfg.vocab_size
-    return head_spec(h.kind, h.num_layers, cfg, fingerprint, h.convention, aux_layers,
-                     draft_vocab_size(h.draft_vocab, vocab), h.block_size, h.mask_id(vocab))
-
-
-def check_recipe(recipe: Recipe, cfg: ModelConfig) -> None:
-    """The train stage's refusals that the recipe and the target's config (``cfg``) decide alone, which
-    ``mtp_train.pipeline.check_recipe`` makes before any stage runs (for each head kind the stage trains, as
-    ``head.kind``): the head ``TrainInputs.read`` specifies, with the aux layers precompute stores for it, built on the
-    meta device (no memory), where its constructor refuses what it cannot be; online, the target's attention backend
-    for the engine that scores the features."""
-    from mtp_train.heads import build_head
-    from mtp_train.heads.eagle3 import aux_layers_for
-    from mtp_train.runtime.attention import check_latent
-
-    h = recipe.head
-    aux = tuple(aux_layers_for(h.aux_layers, cfg)) if h.kind in AUX_KINDS else ()
-    with torch.device("meta"):
-        build_head(recipe_head_spec(recipe, cfg, "", aux))
-    if recipe.precompute.mode == "online":
-        check_latent(recipe.target.attention_backend, cfg.mla is not None)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,45 @@
+"""Rules across a recipe's sections that a stage would otherwise refuse only when it runs; ``Recipe`` checks them
+when it is read (a ``ValueError`` there becomes the recipe's one-line error), so ``--dry-run`` refuses them too."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def check_rules(recipe: Any) -> None:
+    """Refuse a ``mtp_train.recipe.Recipe`` (passed in: this module sits below it) that breaks a rule."""
+    dflash_drafts_within_its_block(recipe)
+    trained_heads_take_the_train_settings(recipe)
+
+
+def dflash_drafts_within_its_block(recipe: Any) -> None:
+    """A dflash head trains block positions 1..block_size-1 only: the eval (its head, or a dflash comparison) may not
+    draft past them, in a chain (``eval.k``) or a tree (``eval.trees``' depth)."""
+    head = recipe.eval.draft == "head" and recipe.eval.draft_model is None and recipe.head.kind == "dflash"
+    if not head and "dflash" not in recipe.eval.compare:
+        return
+    size = recipe.head.block_size
+    trained = f"past what a dflash head of head.block_size {size} trains (draft positions 1..{size - 1})"
+    if max(recipe.eval.k) >= size:
+        raise ValueError(f"eval.k: k = {max(recipe.eval.k)} drafts {trained}; lower eval.k to at most {size - 1}, "
+                         f"or set head.block_size to at least {max(recipe.eval.k) + 1} and train again")
+    deepest = max((t.depth for t in recipe.eval.trees), default=0)
+    if deepest >= size:
+        raise ValueError(f"eval.trees: depth {deepest} drafts {trained}; lower the depth to at most {size - 1}, "
+                         f"or set head.block_size to at least {deepest + 1} and train again")
+
+
+def trained_heads_take_the_train_settings(recipe: Any) -> None:
+    """``train`` and ``head`` settings that a head the train stage trains (``Recipe.head_kinds``) cannot take."""
+    kinds = recipe.head_kinds()
+
+    def named(kind: str) -> str:
+        return (f"head.kind {kind}" if recipe.eval.draft == "head" and kind == recipe.head.kind
+                else f"eval.compare trains {kind}")
+
+    if "dflash" in kinds and recipe.train.mask_gate == "input":
+        raise ValueError("train.mask_gate: `input` gates a chain head's steps; a dflash block's predictions are "
+                         f"gated by their own labels ({named('dflash')}): set train.mask_gate: label")
+    if "eagle3" in kinds and recipe.head.num_layers != 1:
+        raise ValueError(f"head.num_layers: an eagle3 head has one decoder layer ({named('eagle3')}), not "
+                         f"{recipe.head.num_layers}: set head.num_layers: 1")
