@@ -108,6 +108,13 @@ def _describe(holder: dict) -> str:
             f"(`{holder.get('command', '?')}`)")
 
 
+def _remedy(holder: dict, path: Path) -> str:
+    """What to do about a live ``holder`` of ``path``: on another machine it may be a job that is gone."""
+    if _on_this_machine(holder):
+        return "wait for it to end or stop it"
+    return f"wait for it to end or stop it; if that job is gone, delete {path}"
+
+
 def _create(path: Path, record: dict) -> bool:
     """Make ``path`` hold ``record`` unless it exists; whether it was made. The record is written whole under a name
     of this process's own and hard-linked to ``path`` (``link`` fails on an existing name, atomically, NFS too)."""
@@ -184,9 +191,7 @@ def acquire(path: Path, what: str, timeout: float = 30.0, wait: float = 0.0) -> 
             if time.monotonic() - start < wait:
                 time.sleep(next(pauses))
                 continue
-            remedy = ("wait for it to end or stop it" if _on_this_machine(holder) else
-                      f"wait for it to end or stop it; if that job is gone, delete {path}")
-            raise UserError(f"{what}: {path.parent} is being written by {_describe(holder)}; {remedy}")
+            raise UserError(f"{what}: {path.parent} is being written by {_describe(holder)}; {_remedy(holder, path)}")
         else:
             busy = _take_over(path, holder, what)
             why = f"could not take over the stale hold {path} in {timeout:.0f} s; delete it"
@@ -276,11 +281,10 @@ def shared(path: Path, what: str, key: dict, label: str) -> Iterator[None]:
             if _gone(holder):
                 other.unlink(missing_ok=True)
             elif holder.get("key") != key:
-                remedy = ("wait for it to end or stop it" if _on_this_machine(holder) else
-                          f"wait for it to end or stop it; if that job is gone, delete {other}")
                 raise UserError(f"{what}: {path.parent} is being written by {_describe(holder)}, "
                                 f"{holder.get('label', 'another job')}, and this run is {label}: only the ranks of "
-                                f"one job share a directory; {remedy}, or give this run another output directory")
+                                f"one job share a directory; {_remedy(holder, other)}, or give this run another "
+                                "output directory")
     except BaseException:
         mine.unlink(missing_ok=True)
         _remove_empty(made)
