@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from mtp_train.io import write_atomic
+
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("small_rows.cpp", "paged_attention.cpp", "decode_layer.cpp"))
 HEADER = Path(__file__).with_name("kernels.h")
 MAX_ROWS = 64  # rows up to which the runtime multiplies on the kernel (decodes at batch <= 64, verifies of a few)
@@ -159,18 +161,13 @@ def failure_marker(where: Path) -> Path:
 
 
 def _remember_failure(marker: Path, reason: str) -> None:
-    """Write ``reason`` to ``marker`` whole or not at all (a temporary file renamed into place); a cache directory
-    that cannot be written to only means the next process tries again."""
-    temporary = None
+    """Write ``reason`` to ``marker`` whole or not at all; a cache directory that cannot be written to only means
+    the next process tries again."""
     try:
         marker.parent.mkdir(parents=True, exist_ok=True)
-        fd, temporary = tempfile.mkstemp(prefix=f"{marker.name}.", dir=marker.parent)
-        with os.fdopen(fd, "w") as out:
-            out.write(reason + "\n")
-        os.replace(temporary, marker)
+        write_atomic(marker, reason + "\n")
     except OSError:
-        if temporary is not None:
-            Path(temporary).unlink(missing_ok=True)
+        pass
 
 
 @cache
