@@ -35,7 +35,7 @@ def _precompute(recipe: Recipe, **options) -> None:
 def _train(recipe: Recipe, **options) -> None:
     from mtp_train.train.trainer import run_train
 
-    for kind in head_kinds(recipe):
+    for kind in recipe.head_kinds():
         check_gpu_memory(_with_head(recipe, kind), "train")
         run_train(_with_head(recipe, kind))
 
@@ -44,16 +44,10 @@ def _with_head(recipe: Recipe, kind: str) -> Recipe:
     return recipe.model_copy(update={"head": recipe.head.model_copy(update={"kind": kind})})
 
 
-def head_kinds(recipe: Recipe) -> list[str]:
-    """``head.kind`` first (unless the eval's draft is the target's own MTP layer), then the head kinds that
-    ``eval.compare`` asks to compare against (``Recipe.head_kinds``)."""
-    return recipe.head_kinds()
-
-
 def _aux_kinds(recipe: Recipe) -> str:
     from mtp_train.heads.base import AUX_KINDS
 
-    return " and ".join(k for k in head_kinds(recipe) if k in AUX_KINDS)
+    return " and ".join(k for k in recipe.head_kinds() if k in AUX_KINDS)
 
 
 def _eval(recipe: Recipe, baseline: Path | None = None, **options) -> None:
@@ -87,8 +81,8 @@ STAGES: tuple[Stage, ...] = (
     ),
     Stage(
         "train",
-        lambda r: f"{' and '.join(head_kinds(r))} head(s) ({r.head.num_layers} layer(s), unroll {r.train.unroll}"
-        + (f"; dflash blocks of {r.head.block_size}" if "dflash" in head_kinds(r) else "") + ") "
+        lambda r: f"{' and '.join(r.head_kinds())} head(s) ({r.head.num_layers} layer(s), unroll {r.train.unroll}"
+        + (f"; dflash blocks of {r.head.block_size}" if "dflash" in r.head_kinds() else "") + ") "
         f"-> {_rel(r.head_dir().parent)}" + (", the target beside each head" if r.precompute.mode == "online" else ""),
         _train,
     ),
@@ -128,8 +122,8 @@ def check_recipe(recipe: Recipe, stages: tuple[Stage, ...], export_format: str |
     before it queues a job, and at the start of every run, so that no stage runs before a later one refuses. The
     relations between recipe fields alone are the recipe's validators (``load_recipe`` has refused those already);
     these read the target's config. Each is the stage's own check, called here: the stage makes it again when it runs.
-    ``tests/test_dry_run.py`` runs each through ``--dry-run``, and its guard holds every other refusal of the stages
-    with the reason it is not the recipe's."""
+    ``tests/test_dry_run_refusals.py`` runs each through ``--dry-run``, and ``tests/test_refusal_guard.py`` holds every
+    other refusal of the stages with the reason it is not the recipe's."""
     cfg, names = _target_config(recipe), {stage.name for stage in stages}
     if "precompute" in names:
         from mtp_train.precompute.run import check_recipe as check_precompute
@@ -138,7 +132,7 @@ def check_recipe(recipe: Recipe, stages: tuple[Stage, ...], export_format: str |
     if "train" in names:
         from mtp_train.train.recipe_checks import check_recipe as check_train
 
-        for kind in head_kinds(recipe):
+        for kind in recipe.head_kinds():
             check_train(_with_head(recipe, kind), cfg)
     if "eval" in names:
         from mtp_train.eval.loading import check_recipe as check_eval
@@ -183,7 +177,7 @@ def check_memory(recipe: Recipe, stages: tuple[Stage, ...]) -> None:
 
     cfg, names = _target_config(recipe), [stage.name for stage in stages]
     check_fits(cfg, recipe, [name for name in names if name != "train"])
-    for kind in head_kinds(recipe) if "train" in names else []:
+    for kind in recipe.head_kinds() if "train" in names else []:
         check_fits(cfg, _with_head(recipe, kind), ["train"])
 
 
