@@ -26,6 +26,8 @@ PLOTS: dict[str, str] = {
                     "every draft; below 1× speculation is slower than plain decoding",
     "tau_by_group": "τ by prompt set and by prompt category, every draft, at the headline k and T",
     "tau_by_length": "τ by context-length bucket, every draft, at the headline k and T",
+    "training": "τ (left) and α₁ (right) of the held-out probe prompts against training tokens, every head trained "
+                "with train.tau_every (T = 0, the recipe's largest k)",
 }
 
 _TAU_CONVENTION = "τ: tokens per target step, bonus included"
@@ -49,7 +51,8 @@ def drafts(report: Report) -> list[tuple[str, list[SweepPoint]]]:
 def figures(report: Report) -> dict[str, Figure]:
     """The report's plots as matplotlib figures, keyed as in :data:`PLOTS`."""
     return {"alpha": alpha_plot(report), "tau_by_k": tau_by_k_plot(report), "speedup_by_k": speedup_plot(report),
-            "tau_by_group": tau_by_group_plot(report), "tau_by_length": tau_by_length_plot(report)}
+            "tau_by_group": tau_by_group_plot(report), "tau_by_length": tau_by_length_plot(report),
+            "training": training_plot(report)}
 
 
 def render_plots(report: Report) -> dict[str, bytes]:
@@ -221,5 +224,22 @@ def tau_by_length_plot(report: Report) -> Figure:
     order = sorted({n for _, groups in series for n in groups}, key=bucket_order)
     _grouped_bars(ax, series, order, "context length (tokens)")
     ax.set_title(f"τ by context length (k={report.k}, {_temp_label(report.temperature)})")
+    _legend(fig)
+    return fig
+
+
+def training_plot(report: Report) -> Figure:
+    """τ and α₁ of each head's probes while it trained, against its training tokens (log scale)."""
+    fig, (left, right) = _new_figure(2)
+    for ax, field, label in ((left, "tau", _TAU_CONVENTION), (right, "alpha1", "α₁ (first draft position)")):
+        for i, (name, points) in enumerate(report.training.items()):
+            ax.plot([p.train_tokens for p in points], [getattr(p, field) for p in points], marker="o",
+                    color=_color(i), label=name)
+        if report.training:
+            ax.set_xscale("log")
+            ax.set_xlabel("training tokens")
+            ax.set_ylabel(label)
+        else:
+            _no_data(ax, "τ probes (train.tau_every)")
     _legend(fig)
     return fig

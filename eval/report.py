@@ -40,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mtp_train.eval.diagnosis import Diagnosis
 from mtp_train.eval.records import DraftCost, Divergence, EngineAcceptance, EngineCheck
+from mtp_train.eval.training_curve import TrainingPoint
 from mtp_train.errors import UserError
 
 SCHEMA_VERSION = 1
@@ -240,6 +241,8 @@ class Report(BaseModel):
     card: dict[str, str] = Field(default_factory=dict)
     """The run's facts for the model card: ``target``, ``head`` and ``data`` (:mod:`mtp_train.eval.model_card`)."""
     engine_checks: list[EngineCheck] = Field(default_factory=list)
+    training: dict[str, list[TrainingPoint]] = Field(default_factory=dict)
+    """Head kind -> its τ probes while it trained (``train.tau_every``; :mod:`mtp_train.eval.training_curve`)."""
     mode: str
     settings: dict[str, Any]
     versions: dict[str, str]

@@ -35,6 +35,7 @@ from mtp_train.eval.prompts import EvalPrompt
 from mtp_train.eval.render import keep_previous, write_report
 from mtp_train.eval.report import FILES, Comparison, Report, SweepPoint, TreeSetting, load_report
 from mtp_train.eval.samples import pick_samples
+from mtp_train.eval.training_curve import training_curves
 from mtp_train.eval.timing import plain_decode, step_costs, timed_generate, warm_up
 from mtp_train.eval.verify_probe import probe_batches, verify_forward_s
 from mtp_train.errors import UserError
@@ -145,6 +146,7 @@ def _evaluate(recipe: Recipe, key: str, old: Report | None, baseline: Path | Non
         report.serving = validity_line(spec.kind, spec.choices, engine.cfg.family)
     params = sum(p.numel() for p in drafter.head.parameters()) if spec is not None else None
     report.card = card_facts(recipe, engine.cfg, spec, params, target_fingerprint(recipe.target.path))
+    report.training = training_curves(recipe)
     reference = [r.tokens for r in plain[report.temperature][1]]
     report.samples = pick_samples(prompts, replies[report.k, report.temperature], reference, tokenizer,
                                   compared=report.temperature == 0)

@@ -196,6 +196,19 @@ def by_length(r: Report) -> Section:
     ])
 
 
+def training(r: Report) -> Section:
+    """The τ probes of every head while it trained (``train.tau_every``)."""
+    rows = [[name, str(p.step), f"{p.train_tokens:,}", _num(p.tau, 3), _num(p.alpha1, 3), _num(p.val_top1, 3)]
+            for name, points in r.training.items() for p in points]
+    return ("τ while the heads trained", [
+        ("p", "Held-out prompts decoded greedily by the runtime with each head as it stood, at the recipe's largest "
+              "k, every train.tau_every steps: a few prompts and tokens each, so read the late points against the "
+              "eval above." if rows else "No τ probes: the heads trained with train.tau_every 0."),
+        *([("table", ["head", "step", "training tokens", "τ", "α₁", "val top-1 (step 1)"], rows)] if rows else []),
+        ("img", "training"),
+    ])
+
+
 def other_drafts(r: Report) -> Section | None:
     """This report's sweep beside the sweep of every other draft decoded on the same prompts."""
     if not r.comparisons:
@@ -302,7 +315,7 @@ def context(r: Report) -> Section:
 
 STEPS: tuple[Callable[[Report], Section | None], ...] = (
     headline, diagnosis, alpha_by_position, sweep_table, tree_table, engine_checks, draft_and_verify_costs,
-    by_category, by_prompt_set, by_length, other_drafts,
+    by_category, by_prompt_set, by_length, other_drafts, training,
     validation, lossless_check, text_samples, baseline_comparison, context,
 )
 """The report's sections in the order it shows them."""

@@ -294,6 +294,11 @@ def _train_plan(cfg: ModelConfig, recipe: Recipe, gpu_bytes: int, scoring: int) 
                   **_nonzero(buffers=reserved_bytes(flashinfer_backends(recipe, cfg, 1), t.tp)), "KV": online_kv}
         note += (f"; online: the target (TP {t.tp}) scores beside the head, KV for one "
                  f"{recipe.precompute.batch_tokens:,}-token forward (at most 2x its tokens in slots)")
+    if tr.tau_every:  # rank 0's τ probe: the whole target, its KV for the probe's prompts and answers
+        itemsize = _dtype_bytes(t.dtype)
+        probe_kv = tr.tau_prompts * (recipe.data.max_length + tr.tau_tokens + 64) * kv_bytes_per_token(cfg, 1, itemsize)
+        parts |= {"tau probe": target_weight_bytes(cfg, 1, itemsize) + 2 * probe_kv}
+        note += "; train.tau_every: the whole target on rank 0 for the τ probe"
     return StagePlan("train", parts, gpu_bytes, note)
 
 
@@ -344,7 +349,7 @@ def _what_fits(cfg: ModelConfig, recipe: Recipe, stage: str, gpu_bytes: int) -> 
     higher ``target.tp`` (a divisor of the attention and KV heads) where the stage holds the target; half the
     ``train.batch_tokens`` (doubling ``train.grad_accum``, so that a step trains as many tokens), then a quarter...;
     the same of ``precompute.batch_tokens`` where the stage scores; ``precompute.mode: offline`` for online
-    training."""
+    training; no τ probe (``train.tau_every: 0``)."""
     def changed(section: str, **update) -> Recipe:
         return recipe.model_copy(update={section: getattr(recipe, section).model_copy(update=update)})
 
@@ -361,6 +366,7 @@ def _what_fits(cfg: ModelConfig, recipe: Recipe, stage: str, gpu_bytes: int) -> 
         [(f"precompute.batch_tokens={pc.batch_tokens // f}", changed("precompute", batch_tokens=pc.batch_tokens // f))
          for f in halvings if pc.batch_tokens // f >= 256] if holds_target else [],
         [("precompute.mode=offline", changed("precompute", mode="offline"))] if stage == "train" and online else [],
+        [("train.tau_every=0", changed("train", tau_every=0))] if stage == "train" and tr.tau_every else [],
     ]
     found = []
     for tries in knobs:
@@ -373,8 +379,9 @@ def _what_fits(cfg: ModelConfig, recipe: Recipe, stage: str, gpu_bytes: int) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m mtp_train.memory RECIPE.yaml [CONFIG.json]``: the plan, from the target's config.json or
-    another (to plan before downloading the checkpoint; recipes/configs/ holds the shipped recipes' configs)."""
+    """``python -m mtp_train.memory RECIPE.yaml [CONFIG.json] [key=value ...]``: the plan, from the target's
+    config.json or another (to plan before downloading the checkpoint; recipes/configs/ holds the shipped recipes'
+    configs), with the recipe's fields overridden as the CLI does."""
     import json
     import sys
     from pathlib import Path
@@ -382,8 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     from mtp_train.recipe import load_recipe
 
     args = sys.argv[1:] if argv is None else argv
-    recipe = load_recipe(Path(args[0]))
-    config = Path(args[1]) if len(args) > 1 else recipe.target.path / "config.json"
+    overrides, paths = [a for a in args if "=" in a], [a for a in args if "=" not in a]
+    recipe = load_recipe(Path(paths[0]), overrides)
+    config = Path(paths[1]) if len(paths) > 1 else recipe.target.path / "config.json"
     print("\n".join(plan_lines(ModelConfig.from_hf(json.loads(config.read_text()), str(config)), recipe)))
     return 0
 

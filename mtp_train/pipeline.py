@@ -33,11 +33,12 @@ def _precompute(recipe: Recipe, **options) -> None:
 
 
 def _train(recipe: Recipe, **options) -> None:
+    from mtp_train.eval.tau_probe import TauProbe
     from mtp_train.train.trainer import run_train
 
     for kind in recipe.head_kinds():
         check_gpu_memory(_with_head(recipe, kind), "train")
-        run_train(_with_head(recipe, kind))
+        run_train(_with_head(recipe, kind), TauProbe.start)
 
 
 def _with_head(recipe: Recipe, kind: str) -> Recipe:

@@ -228,6 +228,12 @@ class TrainConfig(Section):
     keep_checkpoints: PositiveInt = Field(2, description="Checkpoints kept; older ones are deleted.")
     val_every: PositiveInt = Field(200, description="Optimizer steps between validation passes.")
     max_steps: PositiveInt | None = Field(None, description="Stop after this many optimizer steps; null runs `epochs`.")
+    tau_every: NonNegativeInt = Field(
+        0, description="Steps between τ probes: on rank 0 the runtime decodes `tau_prompts` held-out prompts with the "
+        "head as it stands (T = 0, the largest `eval.k`), and the log, progress line, wandb and report carry τ and α₁ "
+        "against training tokens. Loads the whole target beside the head (the memory plan counts it). 0: none.")
+    tau_prompts: PositiveInt = Field(8, description="Held-out prompts of each τ probe, decoded as one batch.")
+    tau_tokens: PositiveInt = Field(32, description="New tokens per prompt of each τ probe.")
     wandb_mode: Literal["disabled", "offline", "online"] = Field(
         "offline", description="wandb logging; `offline` needs no network. The WANDB_MODE variable overrides it."
     )

@@ -10,6 +10,7 @@ def check_rules(recipe: Any) -> None:
     """Refuse a ``mtp_train.recipe.Recipe`` (passed in: this module sits below it) that breaks a rule."""
     dflash_drafts_within_its_block(recipe)
     trained_heads_take_the_train_settings(recipe)
+    tau_probes_need_heldout_rows(recipe)
 
 
 def dflash_drafts_within_its_block(recipe: Any) -> None:
@@ -43,3 +44,10 @@ def trained_heads_take_the_train_settings(recipe: Any) -> None:
     if "eagle3" in kinds and recipe.head.num_layers != 1:
         raise ValueError(f"head.num_layers: an eagle3 head has one decoder layer ({named('eagle3')}), not "
                          f"{recipe.head.num_layers}: set head.num_layers: 1")
+
+
+def tau_probes_need_heldout_rows(recipe: Any) -> None:
+    """``train.tau_every`` decodes held-out prompts: a recipe that holds no rows out has none."""
+    if recipe.train.tau_every and recipe.data.heldout_rows == 0:
+        raise ValueError("train.tau_every: the τ probe decodes held-out prompts and data.heldout_rows is 0; set "
+                         "data.heldout_rows above 0 (and precompute again) or train.tau_every: 0")

@@ -37,6 +37,8 @@ REFUSALS = (
     Refusal("block-size", (TINY, "head.kind=dflash", "head.block_size=1"), ("head.block_size",)),
     Refusal("prompt-set", (TINY, "eval.prompt_sets=[nope]"), ("eval.prompt_sets.0",)),
     Refusal("max-prompts", (TINY, "eval.max_prompts=0"), ("eval.max_prompts",)),
+    Refusal("tau-heldout", (TINY, "train.tau_every=10", "data.heldout_rows=0"),
+            ("train.tau_every: the τ probe decodes held-out prompts and data.heldout_rows is 0",)),
     # the heads a run trains, as the target's config.json shapes them
     Refusal("dflash-mla", (TINY_DEEPSEEK, "head.kind=dflash", "head.aux_layers=[1,2,3]"),
             ("head: a dflash head's layers are standard attention; the deepseek_v2 target",)),

@@ -80,7 +80,7 @@ def test_json_round_trip_and_keys(written: dict[str, Path]):
 def test_html_is_self_contained_with_every_png_plot(written: dict[str, Path]):
     page = written["html"].read_text()
     images = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
-    assert page.count("data:image/png;base64,") == len(PLOTS) == len(images) == 5
+    assert page.count("data:image/png;base64,") == len(PLOTS) == len(images) == 6
     for data in images:
         assert base64.b64decode(data).startswith(PNG_MAGIC)
     assert "<script" not in page

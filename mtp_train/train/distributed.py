@@ -1,5 +1,6 @@
 """The processes of a training run: the accelerate ``Accelerator`` (DDP, or DeepSpeed ZeRO), each rank's optimizer
-state as a checkpoint stores it, and the stop request every rank agrees on.
+state as a checkpoint stores it, the stop request every rank agrees on, the ranks' weight digests and the
+learning-rate schedule they all follow.
 
 SIGUSR1 or SIGTERM (a SLURM time-limit warning or a preemption) asks for a stop: at the end of the current optimizer
 step every rank agrees on it, a checkpoint is written, and the process exits with status 75 (``EXIT_STOPPED``).
@@ -7,8 +8,11 @@ step every rank agrees on it, a checkpoint is written, and the process exits wit
 
 from __future__ import annotations
 
+import hashlib
+import math
 import os
 import signal
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -110,3 +114,22 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict[str, Any], z
     partitioned.optimizer.load_state_dict(saved["base"])
     for current, old in zip(partitioned.single_partition_of_fp32_groups, saved["fp32"], strict=True):
         current.data.copy_(old)
+
+
+def rank_digests(accelerator: Accelerator, head: torch.nn.Module) -> list[str]:
+    """Every rank's SHA-256 (hex) of its head's weights, so that anyone can check the replicas stayed identical."""
+    digest = hashlib.sha256(b"".join(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+                                     for p in head.parameters())).digest()  # any dtype, bf16 too
+    digests = accelerator.gather(torch.tensor(list(digest), dtype=torch.int64, device=accelerator.device))
+    return [bytes(d.tolist()).hex() for d in digests.view(accelerator.num_processes, -1).cpu()]
+
+
+def warmup_cosine(warmup: int, total: int) -> Callable[[int], float]:
+    """The learning-rate factor by step: linear warmup over ``warmup`` steps, then cosine decay to 10% at ``total``."""
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return f

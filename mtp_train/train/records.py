@@ -26,6 +26,14 @@ def trim_log(path: Path, step: int) -> None:
     write_atomic(path, "".join(kept).encode())
 
 
+def logged_tokens(path: Path, step: int) -> int:
+    """The training tokens of every step up to ``step`` in the log at ``path`` (0 without a log)."""
+    if not path.exists():
+        return 0
+    records = (json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
+    return sum(r.get("tokens", 0) for r in records if r.get("step", 0) <= step)
+
+
 def append_record(path: Path, record: dict[str, Any]) -> None:
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")

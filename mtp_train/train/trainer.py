@@ -17,9 +17,7 @@ optimizer step every rank agrees on it, a checkpoint is written, and the process
 
 from __future__ import annotations
 
-import hashlib
 import json
-import math
 import signal
 import sys
 import time
@@ -45,11 +43,11 @@ from mtp_train.train.checkpoint import (begin_checkpoint, finish_checkpoint, hea
                                         load_optimizer_shard, save_head, save_optimizer_shard)
 from mtp_train.train.data import Batch, BatchPlan, load_batch, plan_batches, plan_rank
 from mtp_train.train.initial import initial_head
-from mtp_train.train.distributed import (EXIT_STOPPED, StopRequest, make_accelerator, optimizer_state,
-                                         restore_optimizer, train_precision)
+from mtp_train.train.distributed import (EXIT_STOPPED, StopRequest, make_accelerator, optimizer_state, rank_digests,
+                                         restore_optimizer, train_precision, warmup_cosine)
 from mtp_train.train.loss import LossWeights, StepMetrics
 from mtp_train.train.objective import heldout_batches, loss_weights, objective, validate
-from mtp_train.train.records import append_record, start_wandb, trim_log
+from mtp_train.train.records import append_record, logged_tokens, start_wandb, trim_log
 from mtp_train.train.recipe_checks import recipe_head_spec
 from mtp_train.train.vocab import aux_indices
 from mtp_train.features.manifest import text_fingerprint
@@ -60,8 +58,9 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
 
-def run_train(recipe: Recipe) -> Path:
+def run_train(recipe: Recipe, tau_probe: Callable[[Recipe, torch.device], Any] | None = None) -> Path:
     """Train ``recipe``'s head, resuming from its latest checkpoint, and write the head directory (returned).
+    ``tau_probe`` starts rank 0's τ probe where ``train.tau_every`` asks for one (``eval.tau_probe``).
 
     A head already complete for this recipe and these features is kept as it is. A stop request (SIGUSR1 or
     SIGTERM) ends the process with status ``EXIT_STOPPED`` after a checkpoint of the current step."""
@@ -72,7 +71,7 @@ def run_train(recipe: Recipe) -> Path:
         print(f"train: {recipe.head_dir()} is complete and matches the recipe; skipped", file=sys.stderr)
         return recipe.head_dir()
     with exclusive(rank_lock(recipe.checkpoints_dir), f"train ({recipe.head.kind} head)"):
-        return _train(Trainer.setup(inputs, started))
+        return _train(Trainer.setup(inputs, started, tau_probe))
 
 
 def _train(trainer: Trainer) -> Path:
@@ -81,6 +80,8 @@ def _train(trainer: Trainer) -> Path:
         result = trainer.train_step()
         if trainer.validation_due():
             result.record.update(trainer.validate())
+        if trainer.tau_due():
+            result.record.update(trainer.probe_tau())
         trainer.log(result)
         checkpointed = trainer.checkpoint_due()
         if checkpointed:
@@ -118,8 +119,8 @@ class TrainInputs:
         aux = aux_indices(reader, h.aux_layers, frozen.cfg) if h.kind in AUX_KINDS else ()
         spec = recipe_head_spec(recipe, frozen.cfg, reader.manifest.fingerprint["target"],
                                 tuple(reader.manifest.layers[i] + 1 for i in aux))
-        train_key = text_fingerprint(json.dumps(
-            {"recipe_train": recipe.train.model_dump(mode="json"), "head": recipe.head.model_dump(mode="json"),
+        train_key = text_fingerprint(json.dumps(  # (the τ probe's settings measure the head and do not change it)
+            {"recipe_train": recipe.train.model_dump(mode="json", exclude={"tau_every", "tau_prompts", "tau_tokens"}), "head": recipe.head.model_dump(mode="json"),
              "seed": recipe.seed, "features": reader.manifest.fingerprint}, sort_keys=True))
         return cls(recipe, reader, frozen, spec, aux, train_key)
 
@@ -159,13 +160,16 @@ class Trainer:
     started: float  # time.perf_counter() when run_train began
     plans: dict[int, list[BatchPlan]] = field(default_factory=dict)  # epoch -> this rank's lanes of batches
     online: OnlineScoring | None = None  # the target beside the head (precompute.mode: online)
+    tau: Any = None  # rank 0's held-out decoding with the head as it stands (train.tau_every): a TauProbe
+    seen: int = 0  # training tokens of all ranks up to ``step`` (from the log on a resume)
+    last_tau: float | None = None  # the latest probe's τ, for the progress line
     progress: Progress = field(init=False)
     stop_request: StopRequest = field(init=False)
     prefetch: ThreadPoolExecutor = field(init=False)  # the next micro-batch loads here while the current one trains
     pending: Future[Batch] | None = field(init=False)
 
     @classmethod
-    def setup(cls, inputs: TrainInputs, started: float) -> Trainer:
+    def setup(cls, inputs: TrainInputs, started: float, tau_probe: Callable[..., Any] | None = None) -> Trainer:
         """Build the head, optimizer, schedule and accelerator, resume from ``latest`` when there is one (the log
         trimmed to its step), announce the run and start loading its first micro-batch."""
         recipe, reader, t = inputs.recipe, inputs.reader, inputs.recipe.train
@@ -181,7 +185,7 @@ class Trainer:
             raise UserError(f"{recipe.features_dir}: too few training sequences for {world} process(es) x "
                             f"{t.grad_accum} micro-batches; lower train.batch_tokens")
         total = t.max_steps or max(1, int(t.epochs * per_epoch))
-        scheduler = LambdaLR(optimizer, _lr_lambda(t.warmup_steps, total))
+        scheduler = LambdaLR(optimizer, warmup_cosine(t.warmup_steps, total))
         saved = load_checkpoint(recipe.checkpoints_dir, head, scheduler)
         step = saved[1]["step"] if saved else 0
         model, optimizer = accelerator.prepare(head, optimizer)  # not the scheduler (see its field)
@@ -195,6 +199,9 @@ class Trainer:
         trainer = cls(recipe, reader, frozen, inputs.spec, inputs.aux, inputs.train_key, head, model, optimizer,
                       scheduler, accelerator, loss_weights(recipe), per_epoch, total, step,
                       start_wandb(recipe, accelerator.is_main_process), started)
+        if t.tau_every and tau_probe is not None and accelerator.is_main_process:
+            trainer.seen = logged_tokens(recipe.train_log, step)
+            trainer.tau = tau_probe(recipe, accelerator.device)
         if isinstance(reader, OnlineFeatures):  # every rank at this point: a TP group scores together
             trainer.online = OnlineScoring.start(recipe, reader, accelerator, per_epoch)
         if accelerator.is_main_process:
@@ -281,6 +288,7 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        self.seen += tokens * self.accelerator.num_processes
         mean_loss = float(self.accelerator.reduce(torch.tensor(step_loss, device=self.device), reduction="mean"))
         record: dict[str, Any] = {"step": self.step, "loss": round(mean_loss, 6), "lr": self.scheduler.get_last_lr()[0],
                                   "top1": [round(c / n, 4) if n else None for c, n in counts],
@@ -290,6 +298,19 @@ class Trainer:
 
     def validation_due(self) -> bool:
         return self.step % self.recipe.train.val_every == 0 or self.step == self.total
+
+    def tau_due(self) -> bool:
+        every = self.recipe.train.tau_every
+        return bool(every) and (self.step % every == 0 or self.step == self.total)
+
+    def probe_tau(self) -> dict[str, Any]:
+        """Rank 0: τ and α₁ of the head as it is now on the held-out prompts (``TauProbe.measure``), with the
+        training tokens so far; the other ranks go on to the next step and meet rank 0 at its collectives."""
+        if self.tau is None:
+            return {}
+        probe = self.tau.measure(self.accelerator.unwrap_model(self.model))
+        self.last_tau = probe.get("tau")
+        return {**probe, "train_tokens": self.seen}
 
     def autocast(self) -> AbstractContextManager:
         """bf16 autocast over the head, the frozen lm_head and the loss (``train.mixed_precision: bf16``), whatever
@@ -310,8 +331,9 @@ class Trainer:
             append_record(self.recipe.train_log, result.record)
             if self.wandb_run is not None:
                 self.wandb_run.log({k: v for k, v in result.record.items() if not isinstance(v, list)}, step=self.step)
+        tau = "" if self.last_tau is None else f", tau {self.last_tau:.2f}"
         self.progress.update(1, tokens=result.tokens * self.accelerator.num_processes,  # other ranks: about as many
-                             note=f"loss {result.loss:.3f}")
+                             note=f"loss {result.loss:.3f}{tau}")
 
     def checkpoint_due(self) -> bool:
         return self.step % self.recipe.train.save_every == 0 or self.step == self.total
@@ -353,7 +375,7 @@ class Trainer:
     def finish(self) -> Path:
         """After the last step: every rank's weight digest; on rank 0 the final validation and the head directory."""
         self._release(cancel_loads=False)
-        digests = self._rank_digests()
+        digests = rank_digests(self.accelerator, self.head)
         out = self.recipe.head_dir()
         if self.accelerator.is_main_process:
             final = self.validate()
@@ -376,21 +398,3 @@ class Trainer:
         if self.online is not None:  # every rank: which shards each scored is the point of the scheme
             # one write: ranks share the stderr pipe, and print's separate newline lets their lines interleave
             sys.stderr.write(f"train: {self.online.summary(self.accelerator.process_index)}\n")
-
-    def _rank_digests(self) -> list[str]:
-        """Every rank's SHA-256 (hex) of its head's weights, so that anyone can check the replicas stayed identical."""
-        digest = hashlib.sha256(b"".join(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
-                                         for p in self.head.parameters())).digest()  # any dtype, bf16 too
-        digests = self.accelerator.gather(torch.tensor(list(digest), dtype=torch.int64, device=self.device))
-        return [bytes(d.tolist()).hex() for d in digests.view(self.accelerator.num_processes, -1).cpu()]
-
-
-def _lr_lambda(warmup: int, total: int) -> Callable[[int], float]:
-    """Linear warmup over ``warmup`` steps, then cosine decay to 10% at ``total``."""
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total - warmup)
-        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-    return f
