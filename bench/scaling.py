@@ -1,0 +1,209 @@
+"""Curves against training tokens: each head kind trained on doubling token budgets, evaluated by the runtime.
+
+    .venv/bin/python bench/scaling.py run --recipe recipes/tiny.yaml --heads mtp eagle3 --budgets 0.25 0.5 1 2 4 \\
+        --seeds 0                          # one run per (head, budget, seed), each point appended as it lands
+    .venv/bin/python bench/scaling.py table bench/scaling/tiny.jsonl     # the Markdown table
+    .venv/bin/python bench/scaling.py plot bench/scaling/tiny.jsonl bench/scaling/tiny.png
+
+Every point is a separate training run from scratch (the recipe's schedule: warm-up, then cosine decay to the
+point's own budget), so a point is what a run of that budget gives, never a checkpoint of a longer run; its own τ
+probes (``train.tau_every``) are recorded beside it. The features are precomputed once per recipe (with the stored
+layers that eagle3 and dflash read) and shared. Each point's eval decodes the recipe's prompt sets (at most 16
+prompts each, 64 new tokens, batch 8, T = 0) at k = 4, and k = 8 for dflash, and records τ, α₁ (the first draft
+position at k = 4), the trainer's held-out top-1 of its first step, the epochs over the training features, and the
+CPU seconds of training and eval.
+
+Results are keyed by (recipe, head, budget, seed): a point already in the results file is reused, which `run`
+says; ``--retrain`` trains it again and replaces it. Each point is written by appending one JSON line, so an
+interrupted sweep keeps what it finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.machine import machine_line  # noqa: E402
+
+CLI = [sys.executable, "-m", "mtp_train.cli"]
+PROMPTS = 16
+
+
+def _cli(*args: str) -> float:
+    """Run one ``mtp-train`` command; its CPU seconds (user + system of the child)."""
+    before = os.times()
+    proc = subprocess.run([*CLI, *args], cwd=REPO, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"scaling: `mtp-train {' '.join(args)}` failed:\n{proc.stderr[-3000:]}")
+    after = os.times()
+    return (after.children_user - before.children_user) + (after.children_system - before.children_system)
+
+
+def _features(recipe: Path, root: Path) -> Path:
+    """The recipe's features with the stored layers every head kind reads, precomputed once under ``root``."""
+    _cli("precompute", str(recipe), f"output_dir={root / 'base'}", "head.kind=mtp", "eval.compare=[eagle3,dflash]")
+    return root / "base" / "features"
+
+
+def _point(recipe: Path, features: Path, root: Path, head: str, budget_m: float, seed: int) -> dict:
+    """Train ``head`` on ``budget_m`` million tokens with ``seed`` and evaluate it; the point's record."""
+    from mtp_train.recipe import load_recipe
+
+    base = load_recipe(recipe)
+    steps = max(1, round(budget_m * 1e6 / base.train.batch_tokens))
+    out = root / f"{head}-{budget_m:g}M-s{seed}"
+    common = [f"output_dir={out}", f"precompute.features_dir={features}", f"head.kind={head}", "eval.compare=[]",
+              f"seed={seed}"]
+    train_s = _cli("train", str(recipe), *common, f"train.max_steps={steps}", f"train.val_every={steps}",
+                   f"train.save_every={steps}", f"train.tau_every={max(10, steps // 8)}", "train.wandb_mode=disabled")
+    ks = [4, 8] if head == "dflash" else [4]
+    eval_s = _cli("eval", str(recipe), *common, f"eval.k={ks}".replace(" ", ""), "eval.temperatures=[0.0]",
+                  "eval.trees=[]", f"eval.max_prompts={PROMPTS}", "eval.max_new_tokens=64", "eval.batch_size=8")
+    report = json.loads((out / "eval" / "report.json").read_text())
+    at = {p["k"]: p for p in report["sweep"]}
+    log = [json.loads(line) for line in (out / f"train_log.{head}.jsonl").read_text().splitlines()]
+    config = json.loads((out / "heads" / head / "config.json").read_text())
+    manifest = json.loads((features / "manifest.json").read_text())
+    tokens = sum(r["tokens"] for r in log)
+    return {
+        "recipe": recipe.name, "head": head, "budget_m": budget_m, "seed": seed, "steps": steps, "tokens": tokens,
+        "epochs": round(tokens / manifest["totals"]["tokens"], 3),
+        "tau_k4": at[4]["tau"], "tau_k8": at[8]["tau"] if 8 in at else None, "alpha1": at[4]["alpha"][0],
+        "by_prompt_set": {name: {"tau": g["tau"], "alpha1": g["alpha"][0]}
+                          for name, g in at[4]["by_prompt_set"].items()},
+        "val_top1": config["validation"]["val_top1"][0],
+        "probes": [{"tokens": r["train_tokens"], "tau": r["tau"], "alpha1": r["alpha1"]} for r in log if "tau" in r],
+        "train_cpu_s": round(train_s), "eval_cpu_s": round(eval_s), "cpu": report["device"],
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                                 text=True).stdout.strip(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _read(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run(args: argparse.Namespace) -> None:
+    recipe = Path(args.recipe).resolve()
+    results = Path(args.results or REPO / "bench" / "scaling" / f"{recipe.stem}.jsonl")
+    results.parent.mkdir(parents=True, exist_ok=True)
+    root = REPO / "runs" / "scaling" / recipe.stem
+    print(machine_line(), file=sys.stderr)
+    done = {(r["head"], r["budget_m"], r["seed"]) for r in _read(results)}
+    features = _features(recipe, root)
+    for budget in args.budgets:
+        for head in args.heads:
+            for seed in args.seeds:
+                key = (head, budget, seed)
+                if key in done and not args.retrain:
+                    print(f"scaling: {head} {budget:g}M seed {seed}: reused from {results} (--retrain trains it "
+                          "again)", file=sys.stderr)
+                    continue
+                started = time.perf_counter()
+                point = _point(recipe, features, root, head, budget, seed)
+                kept = [r for r in _read(results) if (r["head"], r["budget_m"], r["seed"]) != key]
+                tmp = results.with_suffix(".tmp")
+                tmp.write_text("".join(json.dumps(r) + "\n" for r in [*kept, point]))
+                tmp.replace(results)
+                print(f"scaling: {head} {budget:g}M seed {seed}: tau@4 {point['tau_k4']:.3f}, alpha1 "
+                      f"{point['alpha1']:.3f}, val top-1 {point['val_top1']:.3f} "
+                      f"({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+
+
+def _mean_se(values: list[float]) -> str:
+    if len(values) < 2:
+        return f"{values[0]:.3f}"
+    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values) / math.sqrt(len(values)):.3f}"
+
+
+def _groups(rows: list[dict]) -> dict[tuple[str, float], list[dict]]:
+    groups: dict[tuple[str, float], list[dict]] = {}
+    for r in sorted(rows, key=lambda r: (r["head"], r["budget_m"], r["seed"])):
+        groups.setdefault((r["head"], r["budget_m"]), []).append(r)
+    return groups
+
+
+def table(args: argparse.Namespace) -> None:
+    rows = _read(Path(args.results))
+    sets = sorted({name for r in rows for name in r["by_prompt_set"]})
+    print("| head | tokens | epochs | seeds | τ k=4 | τ k=8 | α₁ | held-out top-1 | "
+          + " | ".join(f"τ k=4 {s}" for s in sets) + " | CPU min (train + eval) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(sets) + "---:|")
+    for (head, budget), group in _groups(rows).items():
+        k8 = [r["tau_k8"] for r in group if r["tau_k8"] is not None]
+        per_set = [_mean_se([r["by_prompt_set"][s]["tau"] for r in group if s in r["by_prompt_set"]]) for s in sets]
+        cpu = sum(r["train_cpu_s"] + r["eval_cpu_s"] for r in group) / 60
+        print(f"| {head} | {group[0]['tokens'] / 1e6:.2f}M | {group[0]['epochs']} | {len(group)} | "
+              f"{_mean_se([r['tau_k4'] for r in group])} | {_mean_se(k8) if k8 else '—'} | "
+              f"{_mean_se([r['alpha1'] for r in group])} | {_mean_se([r['val_top1'] for r in group])} | "
+              + " | ".join(per_set) + f" | {cpu:.0f} |")
+    cpus = sorted({r["cpu"] for r in rows})
+    print(f"\nMeasured on: {'; '.join(cpus)}. CPU hours in all: "
+          f"{sum(r['train_cpu_s'] + r['eval_cpu_s'] for r in rows) / 3600:.2f}.")
+
+
+def plot(args: argparse.Namespace) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    rows = _read(Path(args.results))
+    fig = Figure(figsize=(13, 4), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, 3)
+    heads = sorted({r["head"] for r in rows})
+    for i, head in enumerate(heads):
+        groups = [(b, g) for (h, b), g in _groups(rows).items() if h == head]
+        x = [statistics.mean(r["tokens"] for r in g) for _, g in groups]
+        for ax, field, style in ((axes[0], "tau_k4", "-"), (axes[0], "tau_k8", "--"), (axes[1], "alpha1", "-"),
+                                 (axes[2], "val_top1", "-")):
+            ys = [[r[field] for r in g if r[field] is not None] for _, g in groups]
+            if not any(ys):
+                continue
+            means = [statistics.mean(y) for y in ys]
+            errs = [statistics.stdev(y) / math.sqrt(len(y)) if len(y) > 1 else 0 for y in ys]
+            label = head + (" (k = 8)" if field == "tau_k8" else "")
+            ax.errorbar(x, means, yerr=errs, marker="o", linestyle=style, color=f"C{i}", label=label, capsize=3)
+    for ax, title in zip(axes, ("τ at k = 4 (dashed: k = 8)", "α₁ at k = 4", "held-out top-1, first draft step")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("training tokens")
+        ax.set_title(title)
+    axes[0].legend(fontsize="small")
+    fig.suptitle(f"{Path(args.results).stem}: " + "; ".join(sorted({r['cpu'] for r in rows})), fontsize="small")
+    fig.savefig(args.png)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--recipe", required=True)
+    r.add_argument("--heads", nargs="+", default=["mtp", "eagle", "eagle3", "dflash"])
+    r.add_argument("--budgets", nargs="+", type=float, required=True, help="millions of training tokens")
+    r.add_argument("--seeds", nargs="+", type=int, default=[0])
+    r.add_argument("--results", help="JSONL file (default bench/scaling/<recipe>.jsonl)")
+    r.add_argument("--retrain", action="store_true", help="train points already in the results again")
+    t = sub.add_parser("table")
+    t.add_argument("results")
+    p = sub.add_parser("plot")
+    p.add_argument("results")
+    p.add_argument("png")
+    args = parser.parse_args()
+    {"run": run, "table": table, "plot": plot}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()
