@@ -56,15 +56,17 @@ def _features(recipe: Path, root: Path) -> Path:
     return root / "base" / "features"
 
 
-def _point(recipe: Path, features: Path, root: Path, head: str, budget_m: float, seed: int) -> dict:
-    """Train ``head`` on ``budget_m`` million tokens with ``seed`` and evaluate it; the point's record."""
+def _point(recipe: Path, features: Path, root: Path, head: str, budget_m: float, seed: int, extra: list[str]
+           ) -> dict:
+    """Train ``head`` on ``budget_m`` million tokens with ``seed`` and the recipe overrides ``extra``, and evaluate
+    it; the point's record."""
     from mtp_train.recipe import load_recipe
 
     base = load_recipe(recipe)
     steps = max(1, round(budget_m * 1e6 / base.train.batch_tokens))
-    out = root / f"{head}-{budget_m:g}M-s{seed}"
+    out = root / f"{head}-{budget_m:g}M-s{seed}" if not extra else root / f"{head}-{budget_m:g}M-s{seed}-{_tag(extra)}"
     common = [f"output_dir={out}", f"precompute.features_dir={features}", f"head.kind={head}", "eval.compare=[]",
-              f"seed={seed}"]
+              f"seed={seed}", *extra]
     train_s = _cli("train", str(recipe), *common, f"train.max_steps={steps}", f"train.val_every={steps}",
                    f"train.save_every={steps}", f"train.tau_every={max(10, steps // 8)}", "train.wandb_mode=disabled")
     ks = [4, 8] if head == "dflash" else [4]
@@ -77,9 +79,11 @@ def _point(recipe: Path, features: Path, root: Path, head: str, budget_m: float,
     manifest = json.loads((features / "manifest.json").read_text())
     tokens = sum(r["tokens"] for r in log)
     return {
-        "recipe": recipe.name, "head": head, "budget_m": budget_m, "seed": seed, "steps": steps, "tokens": tokens,
+        "recipe": recipe.name, "head": head, "budget_m": budget_m, "seed": seed, "overrides": extra, "steps": steps,
+        "tokens": tokens,
         "epochs": round(tokens / manifest["totals"]["tokens"], 3),
         "tau_k4": at[4]["tau"], "tau_k8": at[8]["tau"] if 8 in at else None, "alpha1": at[4]["alpha"][0],
+        "alpha1_k8": at[8]["alpha"][0] if 8 in at else None,
         "by_prompt_set": {name: {"tau": g["tau"], "alpha1": g["alpha"][0]}
                           for name, g in at[4]["by_prompt_set"].items()},
         "val_top1": config["validation"]["val_top1"][0],
@@ -89,6 +93,18 @@ def _point(recipe: Path, features: Path, root: Path, head: str, budget_m: float,
                                  text=True).stdout.strip(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+def _tag(extra: list[str]) -> str:
+    return "_".join(x.split(".")[-1].replace("=", "") for x in extra)
+
+
+def _key(r: dict) -> tuple:
+    return r["head"], r["budget_m"], r["seed"], tuple(r.get("overrides", []))
+
+
+def _label(r: dict) -> str:
+    return r["head"] + (f" ({', '.join(r['overrides'])})" if r.get("overrides") else "")
 
 
 def _read(path: Path) -> list[dict]:
@@ -103,19 +119,23 @@ def run(args: argparse.Namespace) -> None:
     results.parent.mkdir(parents=True, exist_ok=True)
     root = REPO / "runs" / "scaling" / recipe.stem
     print(machine_line(), file=sys.stderr)
-    done = {(r["head"], r["budget_m"], r["seed"]) for r in _read(results)}
+    done = {_key(r) for r in _read(results)}
+    extra = {}
+    for item in args.override:  # KIND:key=value
+        kind, _, setting = item.partition(":")
+        extra.setdefault(kind, []).append(setting)
     features = _features(recipe, root)
     for budget in args.budgets:
         for head in args.heads:
             for seed in args.seeds:
-                key = (head, budget, seed)
+                key = (head, budget, seed, tuple(extra.get(head, [])))
                 if key in done and not args.retrain:
                     print(f"scaling: {head} {budget:g}M seed {seed}: reused from {results} (--retrain trains it "
                           "again)", file=sys.stderr)
                     continue
                 started = time.perf_counter()
-                point = _point(recipe, features, root, head, budget, seed)
-                kept = [r for r in _read(results) if (r["head"], r["budget_m"], r["seed"]) != key]
+                point = _point(recipe, features, root, head, budget, seed, extra.get(head, []))
+                kept = [r for r in _read(results) if _key(r) != key]
                 tmp = results.with_suffix(".tmp")
                 tmp.write_text("".join(json.dumps(r) + "\n" for r in [*kept, point]))
                 tmp.replace(results)
@@ -132,24 +152,26 @@ def _mean_se(values: list[float]) -> str:
 
 def _groups(rows: list[dict]) -> dict[tuple[str, float], list[dict]]:
     groups: dict[tuple[str, float], list[dict]] = {}
-    for r in sorted(rows, key=lambda r: (r["head"], r["budget_m"], r["seed"])):
-        groups.setdefault((r["head"], r["budget_m"]), []).append(r)
+    for r in sorted(rows, key=lambda r: (_label(r), r["budget_m"], r["seed"])):
+        groups.setdefault((_label(r), r["budget_m"]), []).append(r)
     return groups
 
 
 def table(args: argparse.Namespace) -> None:
     rows = _read(Path(args.results))
     sets = sorted({name for r in rows for name in r["by_prompt_set"]})
-    print("| head | tokens | epochs | seeds | τ k=4 | τ k=8 | α₁ | held-out top-1 | "
+    print("| head | tokens | epochs | seeds | τ k=4 | τ k=8 | α₁ k=4 | α₁ k=8 | held-out top-1 | "
           + " | ".join(f"τ k=4 {s}" for s in sets) + " | CPU min (train + eval) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(sets) + "---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(sets) + "---:|")
     for (head, budget), group in _groups(rows).items():
         k8 = [r["tau_k8"] for r in group if r["tau_k8"] is not None]
+        a8 = [r["alpha1_k8"] for r in group if r.get("alpha1_k8") is not None]
         per_set = [_mean_se([r["by_prompt_set"][s]["tau"] for r in group if s in r["by_prompt_set"]]) for s in sets]
         cpu = sum(r["train_cpu_s"] + r["eval_cpu_s"] for r in group) / 60
         print(f"| {head} | {group[0]['tokens'] / 1e6:.2f}M | {group[0]['epochs']} | {len(group)} | "
               f"{_mean_se([r['tau_k4'] for r in group])} | {_mean_se(k8) if k8 else '—'} | "
-              f"{_mean_se([r['alpha1'] for r in group])} | {_mean_se([r['val_top1'] for r in group])} | "
+              f"{_mean_se([r['alpha1'] for r in group])} | {_mean_se(a8) if a8 else '—'} | "
+              f"{_mean_se([r['val_top1'] for r in group])} | "
               + " | ".join(per_set) + f" | {cpu:.0f} |")
     cpus = sorted({r["cpu"] for r in rows})
     print(f"\nMeasured on: {'; '.join(cpus)}. CPU hours in all: "
@@ -164,7 +186,7 @@ def plot(args: argparse.Namespace) -> None:
     fig = Figure(figsize=(13, 4), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, 3)
-    heads = sorted({r["head"] for r in rows})
+    heads = sorted({_label(r) for r in rows})
     for i, head in enumerate(heads):
         groups = [(b, g) for (h, b), g in _groups(rows).items() if h == head]
         x = [statistics.mean(r["tokens"] for r in g) for _, g in groups]
@@ -196,6 +218,8 @@ def main() -> None:
     r.add_argument("--seeds", nargs="+", type=int, default=[0])
     r.add_argument("--results", help="JSONL file (default bench/scaling/<recipe>.jsonl)")
     r.add_argument("--retrain", action="store_true", help="train points already in the results again")
+    r.add_argument("--override", action="append", default=[], metavar="KIND:KEY=VALUE",
+                   help="a recipe override for one head kind's points, e.g. dflash:train.anchors=32 (part of the key)")
     t = sub.add_parser("table")
     t.add_argument("results")
     p = sub.add_parser("plot")

@@ -222,6 +222,10 @@ class TrainConfig(Section):
         None, description="`dflash`: blocks trained per sequence, at anchors drawn uniformly from the positions whose "
         "next token counts. Null: a block at every such position.",
     )
+    block_lengths: Literal["full", "uniform"] = Field(
+        "full", description="`dflash`: `full` trains every block at `head.block_size`; `uniform` trains each at a "
+        "length drawn uniformly from 2..block_size (its later positions unseen and uncounted), as the runtime and vLLM "
+        "draft a block of `1 + k` at k drafts. Validation takes full blocks.")
     engine: Literal["ddp", "deepspeed"] = Field("ddp", description="accelerate DDP, or DeepSpeed ZeRO.")
     zero_stage: Literal[1, 2] = Field(1, description="DeepSpeed ZeRO stage when `engine: deepspeed`.")
     save_every: PositiveInt = Field(200, description="Optimizer steps between resumable checkpoints.")

@@ -115,47 +115,13 @@ def test_the_drafters_blocks_are_what_the_objective_trains_at_every_k(monkeypatc
     against each label's teacher row (a row's top-1 id is its own index, so it names the label), made logits as its
     loss makes them. The runtime runs a block of 1 + k at k drafts (as vLLM does), so at k < B - 1 the objective
     runs blocks of 1 + k; at k = B - 1 it is the trained block."""
-    import bisect
-    import dataclasses
-
     from mtp_train.runtime.sampling import SamplingParams
     from mtp_train.runtime.sequence import Sequence
-    from mtp_train.train import blocks
-    from mtp_train.train.data import Batch
-    from mtp_train.train.loss import LossWeights, vocab_terms
 
     frozen = FrozenTarget.load(TINY_TARGET)
     head = _head(frozen)
-    spec, h, v = head.spec, frozen.cfg.hidden_size, frozen.cfg.vocab_size
-    cu = [0, 14, 25]
-    n = cu[-1]
-    torch.manual_seed(2)
-    tokens, aux = torch.randint(0, v, (n,)), torch.randn(n, 3 * h)
-    batch = Batch(tokens, torch.randn(n, h), torch.ones(n, dtype=torch.bool), torch.zeros(n, 1),
-                  torch.arange(n)[:, None], torch.full((n,), -3.0), cu, aux)
-
-    def trained(size: int) -> dict[tuple[int, int, int], torch.Tensor]:
-        """``block_loss`` over blocks of ``size``: (document, anchor, block position j) -> the logits ``[V]`` it
-        scores against the target's distribution of t_{a+j}."""
-        calls = []
-
-        def scored(frozen_, x, teacher, exact):
-            calls.append((x, teacher[1][:, 0]))
-            return vocab_terms(frozen_, x, teacher, exact)
-
-        monkeypatch.setattr(blocks, "vocab_terms", scored)
-        monkeypatch.setattr(head, "spec", dataclasses.replace(spec, block_size=size))
-        with torch.no_grad():
-            blocks.block_loss(head, frozen, batch, LossWeights(0.0, 1.0, size - 1, 0.8, "topk"))
-        monkeypatch.undo()
-        assert len(calls) == size - 1, "one chunk: block positions 1..size-1 in order"
-        out = {}
-        for j, (x, rows) in enumerate(calls, 1):
-            for logits, row in zip(frozen.logits(x), rows.tolist()):
-                label = row + 1  # the teacher at row i is the target's distribution of t_{i+1}
-                d = bisect.bisect_right(cu, label) - 1
-                out[d, label - cu[d] - j, j] = logits
-        return out
+    batch = _batch(frozen)
+    cu, tokens, aux, h, n = batch.cu_seqlens, batch.tokens, batch.aux, frozen.cfg.hidden_size, batch.num_tokens
 
     engine = Engine.from_pretrained(TINY_TARGET, page_size=4)
     drafter = BlockDrafter(engine, head)
@@ -177,7 +143,7 @@ def test_the_drafters_blocks_are_what_the_objective_trains_at_every_k(monkeypatc
         with torch.no_grad():
             return drafter.block_logits(list(zip(seqs, ks)), max(ks))
 
-    want = {k: trained(k + 1) for k in range(1, BLOCK)}
+    want = {k: _scored(monkeypatch, head, frozen, batch, k + 1) for k in range(1, BLOCK)}
     mixed = [1 + b % (BLOCK - 1) for b in range(len(seqs))]
     compared = 0
     for ks in [[k] * len(seqs) for k in range(1, BLOCK)] + [mixed]:
@@ -189,6 +155,72 @@ def test_the_drafters_blocks_are_what_the_objective_trains_at_every_k(monkeypatc
                                                msg=lambda m: f"k={k}, document {d}, anchor {a}, draft {j}: {m}")
                     compared += 1
     assert compared > 80
+
+
+def _batch(frozen: FrozenTarget):
+    """Two packed documents (14 and 11 tokens) of random tokens and aux states, every token counted; the teacher row
+    i's single top-K id is i itself, so that a scored row names its label."""
+    from mtp_train.train.data import Batch
+
+    h, v, cu = frozen.cfg.hidden_size, frozen.cfg.vocab_size, [0, 14, 25]
+    n = cu[-1]
+    torch.manual_seed(2)
+    tokens, aux = torch.randint(0, v, (n,)), torch.randn(n, 3 * h)
+    return Batch(tokens, torch.randn(n, h), torch.ones(n, dtype=torch.bool), torch.zeros(n, 1),
+                 torch.arange(n)[:, None], torch.full((n,), -3.0), cu, aux)
+
+
+def _scored(monkeypatch, head, frozen: FrozenTarget, batch, size: int, lengths: bool = False
+            ) -> dict[tuple[int, int, int], torch.Tensor]:
+    """``block_loss`` over blocks of ``size`` (``lengths``: at lengths drawn as ``train.block_lengths: uniform``
+    draws them): (document, anchor, block position j) -> the logits ``[V]`` it scores against the target's
+    distribution of t_{a+j}."""
+    import bisect
+    import dataclasses
+
+    from mtp_train.train import blocks
+    from mtp_train.train.loss import LossWeights, vocab_terms
+
+    calls, cu = [], batch.cu_seqlens
+
+    def scored(frozen_, x, teacher, exact):
+        calls.append((x, teacher[1][:, 0]))
+        return vocab_terms(frozen_, x, teacher, exact)
+
+    monkeypatch.setattr(blocks, "vocab_terms", scored)
+    monkeypatch.setattr(head, "spec", dataclasses.replace(head.spec, block_size=size))
+    with torch.no_grad():
+        blocks.block_loss(head, frozen, batch, LossWeights(0.0, 1.0, size - 1, 0.8, "topk", block_lengths=lengths))
+    monkeypatch.undo()
+    assert len(calls) == size - 1, "one chunk: block positions 1..size-1 in order"
+    out = {}
+    for j, (x, rows) in enumerate(calls, 1):
+        for logits, row in zip(frozen.logits(x), rows.tolist()):
+            label = row + 1  # the teacher at row i is the target's distribution of t_{i+1}
+            d = bisect.bisect_right(cu, label) - 1
+            out[d, label - cu[d] - j, j] = logits
+    return out
+
+
+def test_blocks_of_drawn_lengths_train_what_a_block_of_that_length_computes(monkeypatch):
+    """``train.block_lengths: uniform``: a block drawn at length L inside the trained block size scores, at positions
+    1..L-1, what a block of L alone scores (and so what the drafter drafts at k = L - 1, by the test above), and
+    nothing past L; the lengths come from torch's seeded generator and cover 2..B."""
+    frozen = FrozenTarget.load(TINY_TARGET)
+    head = _head(frozen)
+    batch = _batch(frozen)
+    alone = {size: _scored(monkeypatch, head, frozen, batch, size) for size in range(2, BLOCK + 1)}
+    anchors = [(d, a) for d, (s, e) in enumerate(zip(batch.cu_seqlens, batch.cu_seqlens[1:])) for a in range(e - s - 1)]
+    torch.manual_seed(9)
+    drawn = torch.randint(2, BLOCK + 1, (len(anchors),)).tolist()
+    torch.manual_seed(9)
+    got = _scored(monkeypatch, head, frozen, batch, BLOCK, lengths=True)
+    assert set(drawn) == set(range(2, BLOCK + 1))
+    want = {(d, a, j): alone[size][d, a, j] for (d, a), size in zip(anchors, drawn) for j in range(1, size)
+            if (d, a, j) in alone[size]}
+    assert set(got) == set(want) and len(want) > 20
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-4, msg=lambda m: f"{key}: {m}")
 
 
 def test_a_draft_past_the_trained_block_is_refused():

@@ -25,13 +25,15 @@ ATTENTION_PEAK_BYTES = 5 * SCORE_CHUNK_BYTES
 
 @dataclass(frozen=True)
 class KeyRanges:
-    """Which keys query row r sees: context rows ``lo[r] <= m < hi[r]`` and every extra key of the rows of its group
-    (rows ``g * group .. g * group + group - 1`` for ``g = r // group``). ``lo`` and ``hi`` are host lists, both
-    non-decreasing in r (packed documents in order), and every row sees at least one key."""
+    """Which keys query row r sees: context rows ``lo[r] <= m < hi[r]`` and the extra keys of the rows of its group
+    (rows ``g * group .. g * group + group - 1`` for ``g = r // group``): all of them, or with ``own`` those of the
+    group's first ``own[r]`` rows only. ``lo`` and ``hi`` are host lists, both non-decreasing in r (packed documents
+    in order), and every row sees at least one key."""
 
     lo: list[int]
     hi: list[int]
     group: int = 1
+    own: torch.Tensor | None = None  # [R] long, on the queries' device: group rows whose keys row r sees
 
     def chunks(self, heads: int, extra: int) -> list[tuple[int, int]]:
         """Row ranges ``[r0, r1)``, whole groups each, whose float32 scores (``rows x heads x`` the keys from the
@@ -56,10 +58,10 @@ def _no_autocast(device: torch.device):
 
 
 def _attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extras: list[torch.Tensor], lo: torch.Tensor,
-                  hi: torch.Tensor, group: int, scale: float) -> torch.Tensor:
+                  hi: torch.Tensor, group: int, scale: float, own: torch.Tensor | None) -> torch.Tensor:
     """One chunk, in float32: ``q [c, Hq, D]``, the chunk's context ``k [n, Hkv, D]``, ``v [n, Hkv, Dv]``, its rows'
     ranges ``lo, hi [c]`` (relative to k), extra keys then values ``[c, Hkv, D]`` / ``[c, Hkv, Dv]`` (x keys, then x
-    values) -> ``[c, Hq, Dv]``. The query heads of a key head are one view (``[c, Hkv, rep, D]``): no key is copied
+    values), the group rows whose extra keys each row sees ``own [c]`` (None: all) -> ``[c, Hq, Dv]``. The query heads of a key head are one view (``[c, Hkv, rep, D]``): no key is copied
     per query head."""
     c, hq, d = q.shape
     hkv, n, x = k.shape[1], k.shape[0], len(extras) // 2
@@ -71,14 +73,21 @@ def _attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extras: lis
         blocks = c // group  # [c, x, Hkv, D] -> per group: its rows' x keys each, [blocks, group * x, Hkv, D]
         ek = torch.stack(extras[:x], 1).float().reshape(blocks, group * x, hkv, d)
         ev = torch.stack(extras[x:], 1).float().reshape(blocks, group * x, hkv, -1)
-        own = torch.einsum("bigrd,bjgd->bigrj", qg.view(blocks, group, *qg.shape[1:]), ek)
-        scores = torch.cat([scores, own.reshape(c, hkv, hq // hkv, group * x)], -1)
+        mine = torch.einsum("bigrd,bjgd->bigrj", qg.view(blocks, group, *qg.shape[1:]), ek).reshape(c, hkv, -1, group * x)
+        if own is not None:  # key j of the group is row j // x's
+            hidden = torch.arange(group * x, device=q.device) // x >= own[:, None]
+            mine = mine.masked_fill(hidden[:, None, None], float("-inf"))
+        scores = torch.cat([scores, mine], -1)
     p = torch.softmax(scores, -1)
     out = torch.einsum("cgrn,ngd->cgrd", p[..., :n], v.float())
     if x:
         p_own = p[..., n:].reshape(blocks, group, hkv, hq // hkv, group * x)
         out = out + torch.einsum("bigrj,bjgd->bigrd", p_own, ev).reshape(out.shape)
     return out.reshape(c, hq, -1)
+
+
+def _rows(own: torch.Tensor | None, r0: int, r1: int) -> torch.Tensor | None:
+    return None if own is None else own[r0:r1]
 
 
 class _RangeAttention(torch.autograd.Function):
@@ -97,7 +106,7 @@ class _RangeAttention(torch.autograd.Function):
             for r0, r1 in ctx.chunks:
                 k0, k1 = ranges.lo[r0], ranges.hi[r1 - 1]
                 out[r0:r1] = _attend_chunk(q[r0:r1], k[k0:k1], v[k0:k1], [e[r0:r1] for e in extras], lo[r0:r1] - k0,
-                                           hi[r0:r1] - k0, ranges.group, scale)
+                                           hi[r0:r1] - k0, ranges.group, scale, _rows(ranges.own, r0, r1))
         return out
 
     @staticmethod
@@ -112,7 +121,7 @@ class _RangeAttention(torch.autograd.Function):
                 leaves = [t.detach().float().requires_grad_() for t in parts]
                 with torch.enable_grad():
                     out = _attend_chunk(leaves[0], leaves[1], leaves[2], leaves[3:], lo[r0:r1] - k0, hi[r0:r1] - k0,
-                                        ranges.group, ctx.scale)
+                                        ranges.group, ctx.scale, _rows(ranges.own, r0, r1))
                 got = torch.autograd.grad(out, leaves, grad[r0:r1].float())
                 for whole, rows, g in zip(grads, [(r0, r1), (k0, k1), (k0, k1)] + [(r0, r1)] * len(extras), got):
                     whole[rows[0] : rows[1]] += g

@@ -19,7 +19,9 @@ layer activations, not every block's (at every anchor of 16,384 tokens with B = 
 
 Choices where the paper and the public implementations differ: the loss is the KL against the stored top-K and tail
 that every head here trains on, not cross-entropy against the data's tokens; the mask is a trained vector, not a
-frozen embedding row; the block is the trained size here and ``1 + k`` at k drafts in the runtime and in vLLM.
+frozen embedding row; the block is the trained size here and ``1 + k`` at k drafts in the runtime and in vLLM, unless
+``train.block_lengths: uniform`` draws each block's length from 2..B (from the same generator as the anchors), so that
+the head trains on the blocks it is served with.
 """
 
 from __future__ import annotations
@@ -58,14 +60,17 @@ class BlockAttention:
 
     ``anchors``: per document, its anchors' positions ``[A_d]`` (ascending). Block rows are packed document by
     document, anchor by anchor, B rows each; a block row attends to its document's context keys at positions below
-    its anchor and to its own block's keys (``range_attention``: a range of context rows, the block as its group).
+    its anchor and to its own block's keys (``range_attention``: a range of context rows, the block as its group), or
+    with ``lengths [A]`` (``train.block_lengths: uniform``) to the keys of its block's first ``lengths[a]`` rows.
     ``context``: the layer's context keys and values ``[T, Hkv, D]``.
     """
 
-    def __init__(self, cu_seqlens: list[int], anchors: list[torch.Tensor], block_size: int) -> None:
+    def __init__(self, cu_seqlens: list[int], anchors: list[torch.Tensor], block_size: int,
+                 lengths: torch.Tensor | None = None) -> None:
         lo = [s for s, a in zip(cu_seqlens, anchors) for _ in range(a.numel() * block_size)]
         hi = [s + int(p) for s, a in zip(cu_seqlens, anchors) for p in a.tolist() for _ in range(block_size)]
-        self.ranges = KeyRanges(lo, hi, block_size)
+        own = None if lengths is None else lengths.repeat_interleave(block_size)  # [A] -> each block row's
+        self.ranges = KeyRanges(lo, hi, block_size, own)
         self.context: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache=None, v_cache=None) -> torch.Tensor:
@@ -126,6 +131,10 @@ def block_loss(head: DFlashHead, frozen: FrozenTarget, batch: Batch, weights: Lo
     block_positions = local[:, None] + torch.arange(size, device=device)  # [A, B]
     label = starts[:, None] + block_positions  # rows of t_{a+j}
     counted = (label < ends[:, None]) & batch.loss_mask[label.clamp(max=n - 1)]
+    lengths = None
+    if weights.block_lengths:  # a block of 1 + k, as served at k drafts: positions past it neither seen nor counted
+        lengths = torch.randint(2, size + 1, (local.numel(),), device=device)
+        counted &= torch.arange(size, device=device) < lengths[:, None]
     totals = counted.sum(0).tolist()  # per block position, over every chunk
     exact = weights.teacher == "exact"
     total = batch.hidden.new_zeros(())
@@ -136,7 +145,7 @@ def block_loss(head: DFlashHead, frozen: FrozenTarget, batch: Batch, weights: Lo
         sub = [picks[d0][first:]] + picks[d0 + 1 : d1] + [picks[d1][: a1 - sum(counts[:d1])]] if d1 > d0 else [
             picks[d0][first : first + a1 - a0]]
         s, e = cu[d0], cu[d1] + int(sub[-1][-1])
-        plan = BlockAttention([c - s for c in cu[d0 : d1 + 1]], sub, size)
+        plan = BlockAttention([c - s for c in cu[d0 : d1 + 1]], sub, size, None if lengths is None else lengths[a0:a1])
         run = _through_wrapper_once(forward, head, frozen)
         args = (batch.tokens[(starts + local)[a0:a1]], batch.aux[s:e], context_positions[s:e],
                 block_positions[a0:a1].reshape(-1), plan)

@@ -50,6 +50,7 @@ class LossWeights:
     gate_offset: int = 0  # the prediction of token i counts where loss_mask[i - gate_offset] is set
     anchors: int = 0  # dflash: blocks sampled per document (0: a block at every anchor)
     block_rows: int = 0  # dflash: block rows per checkpointed chunk (0: blocks.BLOCK_ROWS)
+    block_lengths: bool = False  # dflash: each block trains at a length drawn from 2..block_size (else them all)
 
 
 @dataclass
