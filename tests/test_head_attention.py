@@ -106,3 +106,19 @@ def test_chunks_cover_every_row_in_whole_groups_within_the_budget(small_chunks):
     assert all((r1 - r0) % 5 == 0 for r0, r1 in chunks)
     assert all((r1 - r0) * HQ * (hi[r1 - 1] - lo[r0] + 5) * 4 <= attention.SCORE_CHUNK_BYTES or r1 - r0 == 5
                for r0, r1 in chunks)
+
+
+def test_chunks_pack_whole_documents_only_while_masked_scores_stay_bounded(small_chunks, monkeypatch):
+    """Many short packed documents: no chunk scores more than twice what its documents score alone (one chunk over
+    all of them would score every row against every document's keys), and documents are packed, not one per chunk,
+    where that bound allows."""
+    monkeypatch.setattr(attention, "SCORE_CHUNK_BYTES", 2**30)
+    cu = list(range(0, 40 * 30 + 1, 30))  # 40 documents of 30 tokens
+    ranges = causal_ranges(cu)
+    chunks = ranges.chunks(HQ, 2)
+    assert chunks[0][0] == 0 and chunks[-1][1] == cu[-1] and all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
+    alone = {s: ranges._cost(s, e, HQ, 2) for s, e in zip(cu, cu[1:])}
+    for r0, r1 in chunks:
+        assert r0 in alone and (r1 in alone or r1 == cu[-1])  # whole documents
+        assert ranges._cost(r0, r1, HQ, 2) <= 2 * sum(c for s, c in alone.items() if r0 <= s < r1)
+    assert 1 < len(chunks) < len(cu) - 1

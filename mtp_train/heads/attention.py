@@ -38,16 +38,37 @@ class KeyRanges:
     def chunks(self, heads: int, extra: int) -> list[tuple[int, int]]:
         """Row ranges ``[r0, r1)``, whole groups each, whose float32 scores (``rows x heads x`` the keys from the
         first row's ``lo`` to the last row's ``hi``, plus ``extra`` per row) fit ``SCORE_CHUNK_BYTES``: a group at
-        least."""
-        rows, out, r0, budget = len(self.lo), [], 0, SCORE_CHUNK_BYTES
-        while r0 < rows:
-            def cost(groups: int) -> int:
-                r1 = r0 + groups * self.group
-                return groups * self.group * heads * (self.hi[r1 - 1] - self.lo[r0] + extra) * 4
+        least. Documents (runs of rows with one ``lo``) are packed whole into a chunk while its scores stay within
+        twice those of its documents alone: a chunk over many packed documents would score every row against every
+        document's keys, most of them masked."""
+        rows, out = len(self.lo), []
+        starts = [r for r in range(0, rows, self.group) if r == 0 or self.lo[r] != self.lo[r - 1]]
+        packed: tuple[int, int, int] | None = None  # (r0, r1, scores of its documents alone)
+        for d0, d1 in zip(starts, starts[1:] + [rows]):
+            alone = self._cost(d0, d1, heads, extra)
+            if packed and self._cost(packed[0], d1, heads, extra) <= min(SCORE_CHUNK_BYTES, 2 * (packed[2] + alone)):
+                packed = (packed[0], d1, packed[2] + alone)
+                continue
+            if packed:
+                out.append(packed[:2])
+            packed = None
+            if alone <= SCORE_CHUNK_BYTES:
+                packed = (d0, d1, alone)
+            else:
+                out += self._split(d0, d1, heads, extra)
+        return out + ([packed[:2]] if packed else [])
 
+    def _cost(self, r0: int, r1: int, heads: int, extra: int) -> int:
+        return (r1 - r0) * heads * (self.hi[r1 - 1] - self.lo[r0] + extra) * 4
+
+    def _split(self, start: int, end: int, heads: int, extra: int) -> list[tuple[int, int]]:
+        """Rows ``[start, end)`` of one document in chunks within ``SCORE_CHUNK_BYTES``, the most groups each."""
+        out, r0 = [], start
+        while r0 < end:
             # the cost only grows with the rows (hi is non-decreasing): the most groups within budget, by bisection
-            most = (rows - r0) // self.group
-            groups = max(1, bisect_right(range(1, most + 1), budget, key=cost))
+            most = (end - r0) // self.group
+            groups = max(1, bisect_right(range(1, most + 1), SCORE_CHUNK_BYTES,
+                                         key=lambda g: self._cost(r0, r0 + g * self.group, heads, extra)))
             out.append((r0, r0 + groups * self.group))
             r0 += groups * self.group
         return out
