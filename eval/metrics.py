@@ -19,8 +19,8 @@ Conventions (the definitions of ``DESIGN.md``, "Evaluation"):
 - **Mean acceptance length, vLLM's convention** (``engine_acceptance``): 1 + accepted / drafts over the steps that
   verified a draft, accepted counted before the output was cut (:class:`EngineCounts`); comparable with what vLLM
   and SGLang print, where τ is not.
-- **Expected speedup** (``expected_speedup``): τ / (v + f·c), f = draft forwards per step (k for a chain, 2 for a
-  block draft: its block and its context write), c and v both in plain decode steps (the whole step as the plain run
+- **Expected speedup** (``expected_speedup``): τ / (v + f·c), f = draft forwards per step (k for a chain, 1 for a
+  block draft: its block, the context's write folded in), c and v both in plain decode steps (the whole step as the plain run
   measured it): c = mean wall time of one batched draft forward in decode steps over that of one plain decode step,
   v = (plain decode step − one-token forward + verify forward of k + 1 tokens) over the plain decode step, the two
   forwards probed apart from the speculative run at the plain run's batch sizes (:mod:`mtp_train.eval.timing`). With

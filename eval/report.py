@@ -141,8 +141,8 @@ class SweepPoint(BaseModel):
     by_prompt_set: dict[str, Group] = Field(default_factory=dict)
     cost: DraftCost | None = None
     draft_forwards_per_step: int | None = None
-    """f, the draft forwards a speculative step costs: k for a chain (None in reports that predate it), 2 for a block
-    draft (DFlash: its block and its context write, whatever k)."""
+    """f, the draft forwards a speculative step costs: k for a chain (None in reports that predate it), 1 for a block
+    draft (DFlash: its block, the context's write folded in, whatever k; 2 in reports before the fold)."""
     greedy_violations: int | None = None
     """At T = 0: emitted tokens that differ from the target's argmax in the verify forward that decided them."""
     divergences: int | None = None

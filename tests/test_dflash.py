@@ -71,7 +71,8 @@ def test_block_attention_equals_a_dense_mask(monkeypatch):
 
 def test_training_blocks_compute_what_the_runtime_block_computes():
     """A training forward over blocks at several anchors of two packed documents equals, anchor by anchor, the
-    runtime's: the context written into the draft's pages, then the block run non-causally over them."""
+    runtime's: the block run non-causally over the draft's pages, each layer first writing the context's keys and
+    values there."""
     frozen = FrozenTarget.load(TINY_TARGET)
     head = _head(frozen)
     lengths = [13, 9]
@@ -92,15 +93,15 @@ def test_training_blocks_compute_what_the_runtime_block_computes():
     for i, (start, a) in enumerate(zip(starts.tolist(), local.tolist())):
         table = PageTable()
         drafter.allocator.reserve(table, a + BLOCK)
-        with torch.no_grad():
+        with torch.no_grad():  # the context's K/V written layer by layer inside the block's forward, as it drafts
+            written = None
             if a:
                 meta = build_batch([[0] * a], [0], [table.pages], 4, engine.device)
-                head.write_context(context[start : start + a], meta.positions, drafter.backend.plan(meta, *drafter.heads),
-                                   drafter.kv.layers)
+                written = (context[start : start + a], meta.positions, drafter.backend.plan(meta, *drafter.heads))
             meta = build_batch([[int(tokens[start + a])] + [7] * (BLOCK - 1)], [a], [table.pages], 4, engine.device)
             embeds = head.block_embeds(frozen.embed(tokens[start + a : start + a + 1]), BLOCK)
             out = head.run(embeds, None, meta.positions, drafter.backend.plan(meta, *drafter.heads, causal=False),
-                           drafter.kv.layers)
+                           drafter.kv.layers, written)
         drafter.allocator.free(table)
         torch.testing.assert_close(out, trained[i], rtol=1e-4, atol=1e-4)
 
@@ -287,12 +288,13 @@ def test_the_trained_head_trains_and_keeps_its_block(dflash_run):
 
 
 def test_a_block_is_one_draft_forward_per_step(dflash_run):
-    """k drafts cost one block forward and one context write per step, whatever k."""
+    """k drafts cost one forward per step, whatever k: the block's, the context's write folded in (a verify's rows
+    are kept until then)."""
     head = load_head(dflash_run.parent / "run" / "heads" / "dflash")
     engine = Engine.from_pretrained(TINY_TARGET, page_size=16, max_seqs=1)
     decoder = SpeculativeDecoder(engine, BlockDrafter(engine, head), 4)
     decoder.generate([[0, 5, 300, 301, 302, 6]], GREEDY)
-    assert decoder.timings.draft_forwards == 2 * decoder.timings.steps
+    assert decoder.timings.draft_forwards == decoder.timings.steps > 0
 
 
 def test_a_mask_gate_on_inputs_is_refused_for_dflash(dflash_run):

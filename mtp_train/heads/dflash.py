@@ -57,20 +57,20 @@ class DFlashHead(DraftHead):
         masks = self.mask_embedding.to(first.dtype).expand(first.shape[0], size - 1, first.shape[1])
         return torch.cat([first[:, None], masks], dim=1).flatten(0, 1)
 
-    def write_context(self, context: torch.Tensor, positions: torch.Tensor, plan, kv: list) -> None:
-        """The runtime: every layer's keys and values of ``context [T, H]`` at ``positions [T]`` into its pages
-        (``plan.write``), where blocks read them."""
-        cos_sin = self.rope.cos_sin(positions, context.dtype)
-        for layer, cache in zip(self.layers, kv, strict=True):
-            plan.write(*layer.attention.keys_values(context, cos_sin), *cache)
-
-    def run(self, embeds: torch.Tensor, hidden: torch.Tensor | None, positions: torch.Tensor, plan, kv: list
-            ) -> torch.Tensor:
+    def run(self, embeds: torch.Tensor, hidden: torch.Tensor | None, positions: torch.Tensor, plan, kv: list,
+            context: tuple | None = None) -> torch.Tensor:
         """Blocks ``embeds [T, H]`` at ``positions [T]`` through the layers with ``plan`` (the runtime's: non-causal
-        over the pages, the context already written) -> output ``[T, H]``. ``hidden`` is unused (no chain)."""
+        over the pages) -> output ``[T, H]``. ``context``: ``(rows [C, H], positions [C], write plan)`` not yet in
+        the pages, each layer's keys and values of them written just before that layer runs (the step's one draft
+        forward); None where the pages hold the context already. ``hidden`` is unused (no chain)."""
         x = embeds
         cos_sin = self.rope.cos_sin(positions, x.dtype)
+        if context is not None:
+            rows, at, write = context
+            at_cos_sin = self.rope.cos_sin(at, rows.dtype)
         for layer, cache in zip(self.layers, kv, strict=True):
+            if context is not None:
+                write.write(*layer.attention.keys_values(rows, at_cos_sin), *cache)
             x = layer(x, cos_sin, plan, cache)
         return x
 

@@ -61,6 +61,7 @@ class Drafter:
     capture: tuple[int, ...] = ()  # target layers whose outputs ``features`` reads (0-based), besides the last one
     parallel = False  # drafts k tokens in one forward (``block_logits``), not a chain over carried logits
     forwards_per_step: int | None = None  # draft forwards per speculative step; None: one per drafted token
+    defers_writes = False  # ``forward`` keeps its feeds for the next draft forward instead of running one
 
     def __init__(self, engine: Engine, num_layers: int, dtype: torch.dtype, sliding_window: int | None) -> None:
         self.engine = engine
@@ -264,20 +265,40 @@ class HeadDrafter(Drafter):
 
 
 class BlockDrafter(HeadDrafter):
-    """DFlash: the target's states at the head's aux layers become context K/V in the draft's pages (``forward``
-    writes them, attending nothing); each step ``block_logits`` drafts k tokens in one non-causal forward."""
+    """DFlash: the target's states at the head's aux layers become context K/V in the draft's pages; each step
+    ``block_logits`` drafts k tokens in one non-causal forward, which first writes, layer by layer, the context rows
+    the steps since the last block brought (``forward`` keeps them until then, attending nothing): one draft forward
+    per step."""
 
     parallel = True
-    forwards_per_step = 2  # the context's write after each verify, then the block
+    forwards_per_step = 1  # the block, with the context's write folded in
+    defers_writes = True  # ``forward`` only keeps the rows: the step's draft forward is the block's
+
+    def __init__(self, engine: Engine, head: DraftHead, name: str | None = None, vocab: torch.Tensor | None = None):
+        super().__init__(engine, head, name, vocab)
+        self.pending: dict[int, tuple[int, torch.Tensor]] = {}  # request id -> (first position, rows [n, H]) unwritten
 
     def forward(self, feeds: list[Feed]) -> None:
-        """Write each feed's context rows (``hidden``) at its positions into every layer's pages."""
-        if not feeds or not self.leader:
+        """Keep each feed's context rows (``hidden``, from position ``start``; the draft's pages reserved) for the
+        next block of its sequence; rows kept earlier from ``start`` on are replaced (the draft was truncated)."""
+        if not self.leader:
             return
-        meta = build_batch([list(range(len(f.hidden))) for f in feeds], [f.start for f in feeds],
-                           [f.seq.draft_pages.pages for f in feeds], self.allocator.page_size, self.engine.device)
-        plan = self.backend.plan(meta, *self.heads)
-        self.head.write_context(torch.cat([f.hidden for f in feeds]), meta.positions, plan, self.kv.layers)
+        for f in feeds:
+            first, rows = self.pending.get(f.seq.request_id, (f.start, f.hidden[:0]))
+            kept = rows[: max(0, f.start - first)]
+            self.pending[f.seq.request_id] = (first if len(kept) else f.start, torch.cat([kept, f.hidden]))
+
+    def _context(self, seqs: list[Sequence]):
+        """The rows kept for ``seqs`` (taken) as ``(rows [C, H], positions [C], write plan)``; None when none are.
+        Each sequence's pages are cut to the rows' end in the plan, so that its lengths are the context's."""
+        taken = [(seq, *self.pending.pop(seq.request_id)) for seq in seqs if seq.request_id in self.pending]
+        if not taken:
+            return None
+        page = self.allocator.page_size
+        meta = build_batch([list(range(len(rows))) for _, _, rows in taken], [first for _, first, _ in taken],
+                           [seq.draft_pages.pages[: -(-(first + len(rows)) // page)] for seq, first, rows in taken],
+                           page, self.engine.device)
+        return torch.cat([rows for _, _, rows in taken]), meta.positions, self.backend.plan(meta, *self.heads)
 
     def block_logits(self, batch: list[tuple[Sequence, int]], k: int) -> torch.Tensor:
         """Leader: one forward over each sequence's block ``[t_{n-1}, mask x k_b]`` (pages reserved) -> the logits
@@ -295,7 +316,7 @@ class BlockDrafter(HeadDrafter):
         embeds = self.head.mask_embedding.to(self.target.output.weight.dtype).expand(meta.tokens.numel(), -1).clone()
         embeds[first] = self.target.tok_embeddings(meta.tokens[first])
         out = self.head.run(embeds, None, meta.positions, self.backend.plan(meta, *self.heads, causal=False),
-                            self.kv.layers)
+                            self.kv.layers, self._context(seqs))
         rows = [[bounds[b] + min(j + 1, k_b) for j in range(k)] for b, (_, k_b) in enumerate(batch)]
         return self.logits(out[to_device(torch.tensor(rows), out.device).view(-1)]).view(len(batch), k, -1)
 

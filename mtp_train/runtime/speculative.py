@@ -134,7 +134,7 @@ class SpeculativeDecoder:
         self.drafter.forward([f for f in feeds if f.seq.status is Status.RUNNING])
         if timed:
             clock.stop("draft")
-            self.timings.draft_forwards += 1
+            self.timings.draft_forwards += not self.drafter.defers_writes  # (kept for the next draft forward)
 
     # -- speculative decode steps ------------------------------------------------------------------------
 
