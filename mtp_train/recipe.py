@@ -202,7 +202,10 @@ class TrainConfig(Section):
     unroll: PositiveInt = Field(1, description="Unrolled draft steps; step j feeds on the head's own step j-1 output.")
     unroll_decay: float = Field(0.8, gt=0.0, le=1.0, description="Loss weight of unrolled step j is `decay**j`.")
     w_hidden: NonNegativeFloat = Field(0.1, description="Weight of SmoothL1(draft hidden, target hidden).")
-    w_logits: NonNegativeFloat = Field(1.0, description="Weight of KL(target || draft).")
+    w_logits: NonNegativeFloat = Field(1.0, description="Weight of KL(target || draft), or of the LK loss.")
+    loss: Literal["kl", "lk"] = Field(
+        "kl", description="`kl`: KL(target || draft); `lk`: the LK loss, lam * KL + (1 - lam) * (1 - alpha) with "
+        "alpha = sum min(p, q), the acceptance probability, and lam = exp(-3 alpha) (LK losses, arXiv 2602.23881).")
     teacher: Literal["topk", "exact"] = Field(
         "topk",
         description="Target distribution: stored top-K plus log-sum-exp, or exact `lm_head(final_norm(h))`.",

@@ -184,9 +184,9 @@ def _scored(monkeypatch, head, frozen: FrozenTarget, batch, size: int, lengths: 
 
     calls, cu = [], batch.cu_seqlens
 
-    def scored(frozen_, x, teacher, exact):
+    def scored(frozen_, x, teacher, exact, lk):
         calls.append((x, teacher[1][:, 0]))
-        return vocab_terms(frozen_, x, teacher, exact)
+        return vocab_terms(frozen_, x, teacher, exact, lk)
 
     monkeypatch.setattr(blocks, "vocab_terms", scored)
     monkeypatch.setattr(head, "spec", dataclasses.replace(head.spec, block_size=size))

@@ -122,9 +122,9 @@ def test_a_small_byte_bound_splits_into_several_chunks_with_the_same_result(monk
     sizes: list[int] = []
     chunk = loss_mod._vocab_chunk
 
-    def counted(frozen, exact, x, *teacher):
+    def counted(frozen, exact, lk, x, *teacher):
         sizes.append(len(x))
-        return chunk(frozen, exact, x, *teacher)
+        return chunk(frozen, exact, lk, x, *teacher)
 
     monkeypatch.setattr(loss_mod, "_vocab_chunk", counted)
     monkeypatch.setattr(loss_mod, "CHUNK_BYTES", VOCAB * 4 * 3 + 5)  # 3 rows, not a multiple of the row size

@@ -56,3 +56,30 @@ def test_tail_comes_from_the_stored_fp32_mass_not_from_the_bf16_top_k():
     d = draft.float().clone().requires_grad_(True)
     kl_topk(torch.log_softmax(d, -1), lp, ids, tail).sum().backward()
     assert torch.isfinite(d.grad).all()
+
+
+def test_the_lk_loss_is_acceptance_where_the_overlap_is_large_and_kl_where_small():
+    """``train.loss: lk`` at full K: lam * KL + (1 - lam) * (1 - alpha), alpha the exact acceptance probability
+    sum min(p, q) over the vocabulary, lam = exp(-3 alpha) held constant in the gradient; the eagle3 restriction
+    to a draft vocabulary holding every id gives the same."""
+    from mtp_train.train.ttt import restricted_kl
+
+    target, draft = _case(vocab=300)
+    p, q = target.exp(), draft.exp()
+    alpha = torch.minimum(p, q).sum(-1)
+    lam = torch.exp(-3 * alpha)
+    kl = (p * (target - draft)).sum(-1)
+    lp, ids, tail = _stored(target, target.shape[-1])
+    logits = draft.float().clone().requires_grad_()
+    got = kl_topk(torch.log_softmax(logits, -1), lp, ids, tail, lk=True)
+    want = lam * kl + (1 - lam) * (1 - alpha)
+    assert (got.double() - want).abs().max() < 1e-4
+    assert not torch.allclose(got.double(), kl, atol=1e-3)  # it is not the KL
+    grad, = torch.autograd.grad(got.sum(), logits)
+    ref = logits.detach().double().clone().requires_grad_()
+    qr = torch.softmax(ref, -1)
+    manual = (lam * (p * (target - qr.log())).sum(-1) + (1 - lam) * (1 - torch.minimum(p, qr).sum(-1))).sum()
+    want_grad, = torch.autograd.grad(manual, ref)
+    assert (grad.double() - want_grad).abs().max() < 1e-4
+    restricted = restricted_kl(torch.log_softmax(logits.detach(), -1), lp, ids, tail, lk=True)
+    assert (restricted.double() - want).abs().max() < 1e-4

@@ -158,7 +158,8 @@ def block_loss(head: DFlashHead, frozen: FrozenTarget, batch: Batch, weights: Lo
                 continue
             teacher = [batch.hidden[rows]] if exact else [batch.topk_logprobs[rows], batch.topk_ids[rows],
                                                           batch.tail_logprob[rows]]
-            kl, draft_top1, target_top1 = vocab_terms(frozen, head.lm_head_input(out[keep, j]), teacher, exact)
+            kl, draft_top1, target_top1 = vocab_terms(frozen, head.lm_head_input(out[keep, j]), teacher, exact,
+                                                      weights.lk)
             total = total + weights.decay ** (j - 1) * weights.w_logits * kl.sum() / totals[j]
             sums[j][0] = sums[j][0] + kl.detach().sum()
             sums[j][1] = sums[j][1] + (draft_top1 == target_top1).sum()

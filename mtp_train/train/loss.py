@@ -51,6 +51,7 @@ class LossWeights:
     anchors: int = 0  # dflash: blocks sampled per document (0: a block at every anchor)
     block_rows: int = 0  # dflash: block rows per checkpointed chunk (0: blocks.BLOCK_ROWS)
     block_lengths: bool = False  # dflash: each block trains at a length drawn from 2..block_size (else them all)
+    lk: bool = False  # the LK loss in place of the KL (``lk_mix``)
 
 
 @dataclass
@@ -60,8 +61,23 @@ class StepMetrics:
     count: int
 
 
-def kl_topk(draft_logp: torch.Tensor, lp: torch.Tensor, ids: torch.Tensor, tail_lp: torch.Tensor) -> torch.Tensor:
-    """Per-row KL over K+1 buckets: ``draft_logp [n, V]``, stored ``lp, ids [n, K]`` and ``tail_lp [n]`` -> ``[n]``.
+def lk_mix(kl: torch.Tensor, p: torch.Tensor, q: torch.Tensor, lk: bool) -> torch.Tensor:
+    """The per-row loss ``[n]`` from the KL ``kl [n]`` and the two distributions over the same buckets ``p, q [n, B]``:
+    the KL itself, or with ``lk`` the LK loss (LK losses, arXiv 2602.23881; speculators' ``lk_hybrid``)
+    ``lam * KL + (1 - lam) * (1 - alpha)``, where ``alpha = sum min(p, q)`` is the probability that a draft
+    sampled from q is accepted and ``lam = exp(-3 alpha)`` (no gradient through lam): the KL while the overlap is
+    small, the acceptance itself as it grows."""
+    if not lk:
+        return kl
+    alpha = torch.minimum(p, q).sum(-1)
+    lam = torch.exp(-3 * alpha).detach()
+    return lam * kl + (1 - lam) * (1 - alpha)
+
+
+def kl_topk(draft_logp: torch.Tensor, lp: torch.Tensor, ids: torch.Tensor, tail_lp: torch.Tensor,
+            lk: bool = False) -> torch.Tensor:
+    """Per-row KL over K+1 buckets: ``draft_logp [n, V]``, stored ``lp, ids [n, K]`` and ``tail_lp [n]`` -> ``[n]``
+    (``lk``: the LK loss over the same buckets, ``lk_mix``).
 
     The top-K log-probs are shifted so that their mass is exactly ``1 - exp(tail_lp)``.
     """
@@ -73,7 +89,8 @@ def kl_topk(draft_logp: torch.Tensor, lp: torch.Tensor, ids: torch.Tensor, tail_
     rest_q_log = torch.log(-torch.expm1(torch.logsumexp(q_logk, -1).clamp(max=-1e-7)))
     kl = (lp.exp() * (lp - q_logk)).sum(-1)
     tail = torch.where(tail_lp > -torch.inf, tail_lp.exp() * (tail_lp - rest_q_log), torch.zeros_like(tail_lp))
-    return kl + tail
+    buckets = lambda head, rest: torch.cat([head, rest[:, None]], -1).exp()  # noqa: E731
+    return lk_mix(kl + tail, buckets(lp, tail_lp), buckets(q_logk, rest_q_log), lk)
 
 
 def chunk_rows(vocab: int) -> int:
@@ -81,22 +98,24 @@ def chunk_rows(vocab: int) -> int:
     return max(1, CHUNK_BYTES // (vocab * 4))
 
 
-def _vocab_chunk(frozen: FrozenTarget, exact: bool, x: torch.Tensor, *teacher: torch.Tensor
+def _vocab_chunk(frozen: FrozenTarget, exact: bool, lk: bool, x: torch.Tensor, *teacher: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One chunk: lm_head inputs ``x [c, H]`` and the teacher's rows (exact: pre-norm target hidden ``[c, H]``;
-    top-K: ``lp, ids [c, K]``, ``tail_lp [c]``) -> KL ``[c]`` fp32, draft top-1 and target top-1 ``[c]`` int64."""
+    top-K: ``lp, ids [c, K]``, ``tail_lp [c]``) -> KL ``[c]`` fp32 (``lk``: the LK loss), draft top-1 and target
+    top-1 ``[c]`` int64."""
     draft_logp = torch.log_softmax(frozen.logits(x), dim=-1)
     if exact:
         target_logp = torch.log_softmax(frozen.logits(frozen.final_norm(teacher[0])), dim=-1)
         kl = (target_logp.exp() * (target_logp - draft_logp)).sum(-1)
-        return kl, draft_logp.argmax(-1), target_logp.argmax(-1)
-    return kl_topk(draft_logp, *teacher), draft_logp.argmax(-1), teacher[1][:, 0]
+        return lk_mix(kl, target_logp.exp(), draft_logp.exp(), lk), draft_logp.argmax(-1), target_logp.argmax(-1)
+    return kl_topk(draft_logp, *teacher, lk=lk), draft_logp.argmax(-1), teacher[1][:, 0]
 
 
-def vocab_terms(frozen: FrozenTarget, x: torch.Tensor, teacher: list[torch.Tensor], exact: bool
+def vocab_terms(frozen: FrozenTarget, x: torch.Tensor, teacher: list[torch.Tensor], exact: bool, lk: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``_vocab_chunk`` over all rows, ``chunk_rows(vocab)`` at a time: ``x [n, H]`` and the teacher's ``[n, ...]``
-    -> KL ``[n]`` fp32 (differentiable w.r.t. ``x``), draft top-1 and target top-1 ``[n]`` int64.
+    -> KL ``[n]`` fp32 (``lk``: the LK loss; differentiable w.r.t. ``x``), draft top-1 and target top-1 ``[n]``
+    int64.
 
     Non-reentrant checkpointing keeps only each chunk's inputs and recomputes its forward in backward, where the
     autograd engine runs one chunk's nodes at a time (later chunks first) and frees them as it goes. It is chosen
@@ -106,7 +125,7 @@ def vocab_terms(frozen: FrozenTarget, x: torch.Tensor, teacher: list[torch.Tenso
     """
     rows = chunk_rows(frozen.lm_head_weight.shape[0])
     chunks = zip(x.split(rows), *(t.split(rows) for t in teacher))
-    parts = [checkpoint(_vocab_chunk, frozen, exact, *c, use_reentrant=False, preserve_rng_state=False)
+    parts = [checkpoint(_vocab_chunk, frozen, exact, lk, *c, use_reentrant=False, preserve_rng_state=False)
              for c in chunks]
     kl, draft_top1, target_top1 = (torch.cat(p) for p in zip(*parts))
     return kl, draft_top1, target_top1
@@ -166,7 +185,7 @@ def head_loss(
         exact = weights.teacher == "exact"
         teacher = [batch.hidden[target_rows]] if exact else [
             batch.topk_logprobs[target_rows], batch.topk_ids[target_rows], batch.tail_logprob[target_rows]]
-        kl, draft_top1, target_top1 = vocab_terms(frozen, head.lm_head_input(out[mask]), teacher, exact)
+        kl, draft_top1, target_top1 = vocab_terms(frozen, head.lm_head_input(out[mask]), teacher, exact, weights.lk)
         step_loss = weights.w_hidden * sl1.mean() + weights.w_logits * kl.mean()
         total = total + (weights.decay**j) * step_loss
         correct = int((draft_top1 == target_top1).sum())

@@ -29,7 +29,7 @@ def loss_weights(recipe: Recipe) -> LossWeights:
     steps = head.block_size - 1 if head.kind == "dflash" else t.unroll
     return LossWeights(t.w_hidden, t.w_logits, steps, t.unroll_decay, t.teacher, 2 if t.mask_gate == "input" else 0,
                        t.anchors or 0, block_chunk_rows(t.batch_tokens, recipe.data.max_length, t.anchors,
-                                                        head.block_size), t.block_lengths == "uniform")
+                                                        head.block_size), t.block_lengths == "uniform", t.loss == "lk")
 
 
 def heldout_batches(reader: Features, batch_tokens: int, aux: tuple[int, ...] = ()) -> Iterator[Batch]:
@@ -58,7 +58,7 @@ def validate(head: DraftHead, frozen: FrozenTarget, batches: Iterable[Batch], we
     """
     # the predicted assistant tokens, whatever trains; every block, in chunks of the default size (no activations are
     # kept without gradients, so the chunk a train.anchors plan sets for training would only slow this down)
-    weights = replace(weights, gate_offset=0, anchors=0, block_rows=0, block_lengths=False)
+    weights = replace(weights, gate_offset=0, anchors=0, block_rows=0, block_lengths=False, lk=False)  # the KL
     was_training = head.training
     head.eval()
     sums = [[0.0, 0, 0] for _ in range(weights.unroll)]  # loss*count, correct, count

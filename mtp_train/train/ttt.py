@@ -25,7 +25,7 @@ from mtp_train.heads.attention import causal_ranges, range_attention
 from mtp_train.heads.eagle3 import Eagle3Head
 from mtp_train.heads.frozen import FrozenTarget
 from mtp_train.train.data import Batch
-from mtp_train.train.loss import LossWeights, StepMetrics, chunk_rows
+from mtp_train.train.loss import LossWeights, StepMetrics, chunk_rows, lk_mix
 
 
 class TTTAttention:
@@ -51,9 +51,10 @@ class TTTAttention:
 
 
 def restricted_kl(draft_logp: torch.Tensor, lp: torch.Tensor, draft_index: torch.Tensor,
-                  tail_lp: torch.Tensor) -> torch.Tensor:
+                  tail_lp: torch.Tensor, lk: bool = False) -> torch.Tensor:
     """Per-row KL(p|S || q) over buckets: ``draft_logp [n, N]`` over S; the stored top-K ``lp [n, K]`` with their
-    draft indices ``draft_index [n, K]`` (-1 outside S) and ``tail_lp [n]``, the tail taken to lie in S -> ``[n]``."""
+    draft indices ``draft_index [n, K]`` (-1 outside S) and ``tail_lp [n]``, the tail taken to lie in S -> ``[n]``
+    (``lk``: the LK loss over the same buckets, ``lk_mix``)."""
     tail_lp = tail_lp.float()
     head_mass = -torch.expm1(tail_lp).clamp(max=-1e-12)
     lp = lp.float()
@@ -68,19 +69,21 @@ def restricted_kl(draft_logp: torch.Tensor, lp: torch.Tensor, draft_index: torch
                                         .clamp(max=-1e-7)))
     tail_log = tail_lp - log_z[:, 0]
     tail = torch.where(tail_lp > -torch.inf, tail_log.exp() * (tail_log - rest_q_log), torch.zeros_like(tail_lp))
-    return kl + tail
+    p = torch.cat([p_log, tail_log[:, None]], -1).exp()  # (outside S: exp(-inf) = 0 on both sides)
+    q = torch.cat([q_log.masked_fill(~inside, float("-inf")), rest_q_log[:, None]], -1).exp()
+    return lk_mix(kl + tail, p, q, lk)
 
 
-def _chunk(head: Eagle3Head, frozen: FrozenTarget, exact: bool, t2d: torch.Tensor, out: torch.Tensor,
+def _chunk(head: Eagle3Head, frozen: FrozenTarget, exact: bool, lk: bool, t2d: torch.Tensor, out: torch.Tensor,
            *teacher: torch.Tensor) -> torch.Tensor:
-    """KL ``[c]`` of one chunk of rows: head outputs ``out [c, H]`` and the teacher's rows (exact: the target's
-    pre-norm hidden ``[c, H]``; top-K: ``lp, ids [c, K]``, ``tail_lp [c]``)."""
+    """KL ``[c]`` (``lk``: the LK loss) of one chunk of rows: head outputs ``out [c, H]`` and the teacher's rows
+    (exact: the target's pre-norm hidden ``[c, H]``; top-K: ``lp, ids [c, K]``, ``tail_lp [c]``)."""
     draft_logp = torch.log_softmax(head.draft_logits(out), -1)
     if exact:
         target = torch.log_softmax(frozen.logits(frozen.final_norm(teacher[0]))[:, head.draft_ids], -1)
-        return (target.exp() * (target - draft_logp)).sum(-1)
+        return lk_mix((target.exp() * (target - draft_logp)).sum(-1), target.exp(), draft_logp.exp(), lk)
     lp, ids, tail = teacher
-    return restricted_kl(draft_logp, lp, t2d[ids], tail)
+    return restricted_kl(draft_logp, lp, t2d[ids], tail, lk)
 
 
 @torch.no_grad()
@@ -130,7 +133,8 @@ def ttt_loss(head: Eagle3Head, frozen: FrozenTarget, batch: Batch, weights: Loss
         teacher = [batch.hidden[teacher_rows]] if exact else [
             batch.topk_logprobs[teacher_rows], batch.topk_ids[teacher_rows], batch.tail_logprob[teacher_rows]]
         size = chunk_rows(head.draft_ids.numel())
-        parts = [checkpoint(_chunk, head, frozen, exact, t2d, *c, use_reentrant=False, preserve_rng_state=False)
+        parts = [checkpoint(_chunk, head, frozen, exact, weights.lk, t2d, *c, use_reentrant=False,
+                            preserve_rng_state=False)
                  for c in zip(picked[kept].split(size), *(t[kept].split(size) for t in teacher))]
         kl = torch.cat(parts) if parts else picked.new_zeros(0)
         step_loss = weights.w_logits * kl.mean() if kl.numel() else picked.sum() * 0.0
