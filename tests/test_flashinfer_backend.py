@@ -125,14 +125,15 @@ def test_tree_decoding_on_flashinfer_is_lossless_within_the_sync_budget(monkeypa
 
 
 def test_dflash_block_on_flashinfer_matches_torch(monkeypatch):
-    """The non-causal block plan stays on fa3 and gives the torch backend's block logits."""
+    """The non-causal block plan stays on fa3 and drafts what the torch backend drafts (the same accepted counts),
+    the context's write planned before the block on the one wrapper they share."""
     from mtp_train.heads import build_head, head_spec
     from mtp_train.runtime.drafters import head_drafter
     from mtp_train.runtime.speculative import SpeculativeDecoder
 
     prompts = sgd_chat_prompts(2, 3)
     params = [SamplingParams(max_new_tokens=6, stop_token_ids=(), seed=s) for s in range(2)]
-    outs = {}
+    outs, accepted = {}, {}
     with fake_cuda(monkeypatch):
         flashinfer_066.install(monkeypatch)
         for backend in ("torch", "flashinfer"):
@@ -141,10 +142,13 @@ def test_dflash_block_on_flashinfer_matches_torch(monkeypatch):
             spec = head_spec("dflash", 1, engine.cfg, "random", aux_layers=(1, 2, 3), block_size=4, mask_token_id=7)
             head = build_head(spec).to("cuda", torch.bfloat16)
             decoder = SpeculativeDecoder(engine, head_drafter(engine, head), 3)
-            outs[backend] = [r.tokens for r in decoder.generate(prompts, params)]
+            results = decoder.generate(prompts, params)
+            outs[backend] = [r.tokens for r in results]
+            accepted[backend] = [r.stats.accepted for r in results]
             plain = [r.tokens for r in engine.generate(prompts, params)]
         wrappers = flashinfer_066.BatchPrefillWithPagedKVCacheWrapper.instances
     assert outs["flashinfer"] == plain == outs["torch"]
+    assert accepted["flashinfer"] == accepted["torch"], "the drafts differ: a block ran on another step's plan"
     assert all(set(w.plans) <= {"fa3"} for w in wrappers if w.plans), "no masked plan in a dflash run"
 
 

@@ -315,8 +315,10 @@ class BlockDrafter(HeadDrafter):
         first = to_device(torch.tensor(bounds[:-1]), self.engine.device)
         embeds = self.head.mask_embedding.to(self.target.output.weight.dtype).expand(meta.tokens.numel(), -1).clone()
         embeds[first] = self.target.tok_embeddings(meta.tokens[first])
+        context = self._context(seqs)  # planned first: FlashInfer's wrapper keeps the last plan, the block's; the
+        # context's plan only writes (paged append, from its own indices)
         out = self.head.run(embeds, None, meta.positions, self.backend.plan(meta, *self.heads, causal=False),
-                            self.kv.layers, self._context(seqs))
+                            self.kv.layers, context)
         rows = [[bounds[b] + min(j + 1, k_b) for j in range(k)] for b, (_, k_b) in enumerate(batch)]
         return self.logits(out[to_device(torch.tensor(rows), out.device).view(-1)]).view(len(batch), k, -1)
 
