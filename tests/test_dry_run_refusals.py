@@ -65,7 +65,7 @@ REFUSALS = (
             ("eval.draft target_mtp needs a DeepSeek-V3-layout checkpoint",)),
     Refusal("trees-sliding-window", (TINY, "target.path={sliding}"),
             ("eval.trees: tree drafting is not wired for sliding-window targets",)),
-    Refusal("no-heldout-rows", (TINY, "data.heldout_rows=0"),
+    Refusal("no-heldout-rows", (TINY, "data.heldout_rows=0", "train.tau_every=0"),
             ("eval.prompt_sets: `heldout` needs data.heldout_rows > 0",)),
     Refusal("no-room-for-prompts", ("eval", TINY, "eval.max_new_tokens=2048"),
             ("eval.prompt_sets: no prompt fits the target's 2048 positions with eval.max_new_tokens=2048",)),

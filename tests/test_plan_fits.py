@@ -123,7 +123,7 @@ def test_training_on_a_gpu_refuses_a_plan_too_large_for_it_before_loading(tmp_pa
     stand_in_checkpoint(tmp_path, CONFIG)
     recipe = load_recipe(RECIPE, [f"target.path={tmp_path}", "precompute.mode=online"])
     loaded = []
-    monkeypatch.setattr("mtp_train.train.trainer.run_train", loaded.append)
+    monkeypatch.setattr("mtp_train.train.trainer.run_train", lambda recipe, tau_probe=None: loaded.append(recipe))
     pipeline.check_gpu_memory(recipe, "train")  # no CUDA here: nothing refused
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties",
