@@ -1,6 +1,6 @@
 """τ while each head trained (``train.tau_every``): the probes of the training logs, carried into the report.
 
-A probe record of ``train_log.<kind>.jsonl`` (``mtp_train.train.tau``) holds the step, the training tokens so far,
+A probe record of ``train_log.<kind>.jsonl`` (``mtp_train.eval.tau_probe``) holds the step, the training tokens so far,
 τ and α₁ of the held-out prompts decoded greedily at the recipe's largest k, and, where the step also validated,
 the held-out top-1 of the first draft step.
 """
