@@ -143,7 +143,7 @@ def _config(target_config: dict, spec, fmt: str, trained: dict, target_path: str
     config = {k: v for k, v in target_config.items() if k not in DROPPED_KEYS}
     if spec.kind == "eagle3":
         config = eagle3_config(config, target_path, list(spec.aux_layers), _default_aux(spec.target),
-                               spec.draft_vocab, fmt)
+                               spec.draft_vocab, fmt, spec.fc_norm, spec.norm_output)
     elif spec.kind == "dflash":
         config = dflash_config(spec)
     elif spec.kind == "mtp":  # the target's config, its layers kept: the MTP layer is found at index num_hidden_layers

@@ -48,7 +48,7 @@ def _plan_spec(recipe: Recipe, cfg: ModelConfig, kind: str | None = None):
     return head_spec(kind, h.num_layers, cfg, "plan", h.convention,
                      tuple(aux_layers_for(h.aux_layers, cfg)) if kind in AUX_KINDS else (),
                      draft_vocab_size(h.draft_vocab, cfg.vocab_size) if eagle3 else 0, h.block_size,
-                     h.mask_id(cfg.vocab_size))
+                     h.mask_id(cfg.vocab_size), h.fc_norm, h.norm_output)
 
 
 def head_activation_bytes_per_token(recipe: Recipe, cfg: ModelConfig) -> int:
@@ -146,7 +146,7 @@ def head_saved_bytes(recipe: Recipe, cfg: ModelConfig, cu_seqlens: list[int], st
                 break
             if eagle3:
                 out = head(embeds, hidden if step else None, positions + step, plan, None if step else aux)
-                hidden = out
+                hidden = head.feedback_state(out)
             else:
                 out = head.run(embeds, hidden, positions, DocumentCausalAttention(cu_seqlens),
                                [(None, None)] * len(head.layers))

@@ -22,6 +22,7 @@ from pydantic import (
 
 from mtp_train.errors import UserError
 from mtp_train.recipe_eval import EvalConfig
+from mtp_train.recipe_head import HeadConfig
 from mtp_train.recipe_rules import check_rules
 from mtp_train.recipe_types import PROMPT_SETS, RecipePath, Section  # noqa: F401 (PROMPT_SETS: the eval's)
 
@@ -136,54 +137,6 @@ class PrecomputeConfig(Section):
         "epochs (oldest dropped first). 0 keeps only the shards of the current batches' windows, so every epoch "
         "scores its shards again.",
     )
-
-
-class HeadConfig(Section):
-    """The draft head to train."""
-
-    kind: Literal["mtp", "eagle", "eagle3", "dflash"] = Field(
-        "mtp", description="`mtp`: DeepSeek-V3 layout with the RMSNorms restored. `eagle`: the EAGLE-1 baseline. "
-        "`eagle3`: EAGLE-3, over three target layers, with a draft vocabulary of its own, trained with training-time "
-        "test (`train.unroll` steps). `dflash`: a DFlash block drafter over the same layers, drafting k tokens in one "
-        "forward (`head.block_size`).",
-    )
-    num_layers: PositiveInt = Field(1, description="Decoder layers in the head (an `eagle3` head has 1).")
-    block_size: int = Field(
-        9, ge=2, description="`dflash`: positions of a training block, its first token and `block_size - 1` masks; it "
-        "drafts up to `block_size - 1` tokens (the runtime and vLLM run a block of `1 + k` at k drafts): a longer "
-        "`eval.k` or `eval.trees` depth is refused.",
-    )
-    mask_token_id: NonNegativeInt | None = Field(
-        None, description="`dflash`: the token id an engine writes in the mask positions (the head trains a mask "
-        "vector of its own, exported as `mask_embedding.pt`, started from this id's embedding). Null: the last id.",
-    )
-    aux_layers: list[int] | None = Field(
-        None, description="`eagle3`, `dflash`: the three target layers it reads, as vLLM and SGLang number them (id k: "
-        "the input "
-        "of decoder block k, i.e. the output of layer k - 1; L: the last layer's output). Null: the engines' default "
-        "`[2, L//2, L-3]`. Precompute stores these layers.",
-    )
-    draft_vocab: PositiveInt | None = Field(
-        32000, description="`eagle3`: rows of its own lm_head, the N most frequent assistant tokens of the training "
-        "features (mapped to target ids by `d2t`). Null, or at least the target's vocabulary: the full vocabulary.",
-    )
-    init: Literal["random", "target_last_layer"] = Field(
-        "random", description="Initialise the head's decoder layer randomly or from the target's last layer. "
-        "Applies to `mtp` heads only: an `eagle` head always starts random, because its output feeds the lm_head "
-        "with no final norm, and a copied last layer writes pre-norm-scale values into it (it diverges).",
-    )
-    convention: Literal["native", "vllm", "sglang"] = Field(
-        "native", description="Serving convention the head is trained in, followed by the trainer, the runtime's "
-        "drafting and the eval, and written into its `config.json`: which target hidden state it reads (before or "
-        "after the final norm), which state a chained step feeds back, and whether the embedding is zeroed at "
-        "position 0. `native`: `mtp` reads the pre-norm state and feeds back its raw output, zeroing position 0. "
-        "`vllm`/`sglang`: as vLLM's/SGLang's DeepSeek MTP (post-norm state, `shared_head.norm` output fed back; "
-        "only vLLM zeroes position 0). `eagle` heads are the same under all three (post-norm state, raw output).",
-    )
-
-    def mask_id(self, vocab_size: int) -> int:
-        """``mask_token_id``, or the last id of a ``vocab_size``-id vocabulary when it is null."""
-        return vocab_size - 1 if self.mask_token_id is None else self.mask_token_id
 
 
 class TrainConfig(Section):

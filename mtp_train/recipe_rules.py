@@ -10,6 +10,7 @@ def check_rules(recipe: Any) -> None:
     """Refuse a ``mtp_train.recipe.Recipe`` (passed in: this module sits below it) that breaks a rule."""
     dflash_drafts_within_its_block(recipe)
     trained_heads_take_the_train_settings(recipe)
+    eagle3_norms_need_an_eagle3_head(recipe)
     tau_probes_need_heldout_rows(recipe)
 
 
@@ -44,6 +45,18 @@ def trained_heads_take_the_train_settings(recipe: Any) -> None:
     if "eagle3" in kinds and recipe.head.num_layers != 1:
         raise ValueError(f"head.num_layers: an eagle3 head has one decoder layer ({named('eagle3')}), not "
                          f"{recipe.head.num_layers}: set head.num_layers: 1")
+
+
+def eagle3_norms_need_an_eagle3_head(recipe: Any) -> None:
+    """``head.fc_norm`` and ``head.norm_output`` are EAGLE 3.1's options: they change an eagle3 head only, so a recipe
+    that trains none (``head.kind``, ``eval.compare``) would set them for nothing."""
+    if "eagle3" in recipe.head_kinds():
+        return
+    for name in ("fc_norm", "norm_output"):
+        if getattr(recipe.head, name):
+            raise ValueError(f"head.{name}: applies to eagle3 heads only (EAGLE 3.1), and this recipe trains "
+                             f"{', '.join(recipe.head_kinds()) or 'no head'}; set head.kind: eagle3 or head.{name}: "
+                             "false")
 
 
 def tau_probes_need_heldout_rows(recipe: Any) -> None:

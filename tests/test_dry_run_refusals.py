@@ -33,6 +33,8 @@ REFUSALS = (
             ("train.mask_gate: `input`", "eval.compare")),
     Refusal("eagle3-layers", (TINY, "head.kind=eagle3", "head.num_layers=2"),
             ("head.num_layers: an eagle3 head has one decoder layer", "set head.num_layers: 1")),
+    Refusal("eagle31-norms", (TINY, "head.norm_output=true"),
+            ("head.norm_output: applies to eagle3 heads only", "set head.kind: eagle3 or head.norm_output: false")),
     Refusal("head-kind", (TINY, "head.kind=medusa"), ("head.kind: Input should be",)),
     Refusal("block-size", (TINY, "head.kind=dflash", "head.block_size=1"), ("head.block_size",)),
     Refusal("prompt-set", (TINY, "eval.prompt_sets=[nope]"), ("eval.prompt_sets.0",)),

@@ -54,6 +54,8 @@ class HeadSpec:
     draft_vocab: int = 0  # eagle3: rows of its own lm_head (0: the head uses the frozen lm_head)
     block_size: int = 0  # dflash: positions of a trained block, its first token and block_size - 1 masks
     mask_token_id: int = -1  # dflash: the id an engine writes in the mask positions (the head's own mask vector)
+    fc_norm: bool = False  # eagle3 (EAGLE 3.1): an RMSNorm per aux layer's state before fc
+    norm_output: bool = False  # eagle3 (EAGLE 3.1): a chained step reads the previous output after the final norm
 
     @property
     def choices(self) -> Choices:
@@ -66,8 +68,10 @@ class HeadSpec:
                     f"to {self.block_size - 1} tokens in one non-causal forward over a block")
         if self.kind != "eagle3":
             return self.choices.describe()
-        return (f"reads fc of the target's states entering layers {list(self.aux_layers)}, feeds back its decoder "
-                f"output, drafts from {self.draft_vocab:,} of the {self.target.vocab_size:,} ids")
+        fed = "its output after its final norm" if self.norm_output else "its decoder output"
+        return (f"reads fc of the target's {'per-layer normed ' if self.fc_norm else ''}states entering layers "
+                f"{list(self.aux_layers)}, feeds back {fed}, drafts from {self.draft_vocab:,} of the "
+                f"{self.target.vocab_size:,} ids")
 
     def to_json(self) -> dict:
         return {"architectures": [HEADS[self.kind].__name__], "head_kind": self.kind, **dataclasses.asdict(self)}
@@ -79,7 +83,8 @@ class HeadSpec:
                        data["hidden_input"], bool(data["zero_embed_at_position0"]), data.get("feedback", "output"),
                        data.get("convention", "native"), bool(data.get("moe", False)),
                        tuple(int(i) for i in data.get("aux_layers", ())), int(data.get("draft_vocab", 0)),
-                       int(data.get("block_size", 0)), int(data.get("mask_token_id", -1)))
+                       int(data.get("block_size", 0)), int(data.get("mask_token_id", -1)),
+                       bool(data.get("fc_norm", False)), bool(data.get("norm_output", False)))
         except KeyError as e:
             raise UserError(f"{source}: not a head config (no {e.args[0]!r} field)") from None
         except (TypeError, ValueError) as e:
@@ -143,9 +148,10 @@ class DraftHead(nn.Module):
 
 def head_spec(kind: str, num_layers: int, target: ModelConfig, fingerprint: str,
               convention: str = "native", aux_layers: tuple[int, ...] = (), draft_vocab: int = 0,
-              block_size: int = 0, mask_token_id: int = -1) -> HeadSpec:
-    """``aux_layers``: an eagle3 or dflash head's; ``draft_vocab`` an eagle3 head's; ``block_size`` and
-    ``mask_token_id`` a dflash head's (each ignored by the other kinds)."""
+              block_size: int = 0, mask_token_id: int = -1, fc_norm: bool = False,
+              norm_output: bool = False) -> HeadSpec:
+    """``aux_layers``: an eagle3 or dflash head's; ``draft_vocab``, ``fc_norm`` and ``norm_output`` an eagle3 head's;
+    ``block_size`` and ``mask_token_id`` a dflash head's (each ignored by the other kinds)."""
     if kind not in HEADS:
         raise UserError(f"head.kind: {kind!r} is not a head; choose one of {sorted(HEADS)}")
     c = choices(kind, convention)
@@ -155,7 +161,8 @@ def head_spec(kind: str, num_layers: int, target: ModelConfig, fingerprint: str,
     return HeadSpec(kind, num_layers, target, fingerprint, c.hidden_input, c.zero_embed_at_position0, c.feedback,
                     convention, target.is_moe_layer(target.num_layers) and not aux,
                     tuple(aux_layers) if aux else (), draft_vocab if eagle3 else 0,
-                    block_size if dflash else 0, mask_token_id if dflash else -1)
+                    block_size if dflash else 0, mask_token_id if dflash else -1, fc_norm and eagle3,
+                    norm_output and eagle3)
 
 
 def build_head(spec: HeadSpec) -> DraftHead:

@@ -6,6 +6,10 @@ layer attends over ``[input_layernorm(embed(t_{i+1})) | hidden_norm(g)]`` (``2H`
 read ``2H``) with ``g`` as the residual; a final ``norm`` and the head's own ``lm_head`` over ``draft_vocab`` target
 ids (``draft_ids``, ascending) give the draft logits. A chained step feeds back the layer's output before ``norm``
 in place of ``g`` (``fc`` applies to the target's states only), as vLLM, SGLang and SpecForge do (EXPORT.md 3.3).
+
+EAGLE 3.1's two options, as speculators, vLLM 0.32 and SGLang 0.5.23 name and place them: ``spec.fc_norm`` gives
+each aux layer's state an RMSNorm of its own before ``fc`` (``fc_norm.{0,1,2}``, each ``[H]``); ``spec.norm_output``
+feeds back the output after the final ``norm`` (what the logits read) instead of before it.
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ class Eagle3Head(DraftHead):
                             "are not what EAGLE-3's layer is built from)")
         h = cfg.hidden_size
         self.fc = Linear(len(spec.aux_layers) * h, h, bias=False)
+        if spec.fc_norm:  # EAGLE 3.1: one norm per aux layer's state, so that each enters fc at one scale
+            self.fc_norm = nn.ModuleList(RMSNorm(h, cfg.rms_norm_eps) for _ in spec.aux_layers)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         attn = self.layers[0].attention
         attn.wqkv = Linear(2 * h, attn.wqkv.out_features, bias=cfg.qkv_bias)  # reads [embed | hidden], 2H
@@ -63,7 +69,11 @@ class Eagle3Head(DraftHead):
         self.register_buffer("draft_ids", torch.arange(spec.draft_vocab))  # [N] target ids, ascending
 
     def project(self, aux: torch.Tensor) -> torch.Tensor:
-        """The target's states at the aux layers, concatenated ``[T, 3H]`` -> ``g [T, H]``."""
+        """The target's states at the aux layers, concatenated ``[T, 3H]`` -> ``g [T, H]`` (with ``fc_norm``: each
+        ``[T, H]`` part normed by its own norm first)."""
+        if self.spec.fc_norm:
+            parts = aux.chunk(len(self.fc_norm), dim=-1)
+            aux = torch.cat([norm(part) for norm, part in zip(self.fc_norm, parts, strict=True)], dim=-1)
         return self.fc(aux)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor | None, positions: torch.Tensor, plan,
@@ -84,6 +94,11 @@ class Eagle3Head(DraftHead):
 
     def lm_head_input(self, out: torch.Tensor) -> torch.Tensor:
         return self.norm(out)
+
+    def feedback_state(self, out: torch.Tensor) -> torch.Tensor:
+        """Output ``[T, H]`` -> the next chained step's hidden input: the output itself, or (``norm_output``) the
+        output after the final norm, as the engines recycle it for such a head."""
+        return self.norm(out) if self.spec.norm_output else out
 
     def draft_logits(self, out: torch.Tensor) -> torch.Tensor:
         """Output ``[T, H]`` -> logits over the draft vocabulary ``[T, N]`` (float32)."""

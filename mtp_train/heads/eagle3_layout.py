@@ -4,6 +4,10 @@ Weights: the decoder layer under ``midlayer.`` (speculators: ``layers.0.``) in H
 its ``input_layernorm`` (applied to the embedding); ``fc [H, 3H]``, ``norm``, ``lm_head [N, H]``; and, when the
 draft vocabulary is smaller than the target's, ``d2t [N]`` int64 offsets (target id = draft id + d2t[draft id]) and
 ``t2d [V]`` bool (the target ids it holds). No embedding: every engine shares the target's.
+
+EAGLE 3.1's options keep the names the head trains them under, which are the engines' (speculators' ``Eagle3``
+model, vLLM 0.32's ``llama_eagle3.py``, SGLang 0.5.23's): ``fc_norm.{0,1,2}.weight [H]`` with ``fc_norm: true``,
+and ``norm_output: true`` (no weights). Both keys sit at the config's top level in every format.
 """
 
 from __future__ import annotations
@@ -26,15 +30,16 @@ def to_eagle3(tensors: dict[str, torch.Tensor], vocab_size: int, layer: str = "m
                 ids = tensor.long()
                 out["d2t"] = ids - torch.arange(ids.numel())
                 out["t2d"] = torch.zeros(vocab_size, dtype=torch.bool).index_fill_(0, ids, True)
-        else:  # fc.weight, norm.weight, lm_head.weight
+        else:  # fc.weight, norm.weight, lm_head.weight; fc_norm.{i}.weight (EAGLE 3.1)
             out[name] = tensor
     return out
 
 
 def eagle3_config(target_config: dict, verifier: str, aux_layers: list[int], default_aux: list[int],
-                  draft_vocab: int, fmt: str) -> dict:
+                  draft_vocab: int, fmt: str, fc_norm: bool = False, norm_output: bool = False) -> dict:
     """``config.json`` for ``fmt`` (``vllm``, ``sglang`` or ``speculators``) from the target's (DROPPED_KEYS removed);
-    ``verifier``: the target as speculators names it (its path or hub id).
+    ``verifier``: the target as speculators names it (its path or hub id); ``fc_norm``, ``norm_output``: the head's
+    EAGLE 3.1 options, written as those keys (vLLM and SGLang read them off the config with false as default).
 
     Aux ids are written only when they are not the engines' default, in the numbering each engine reads: vLLM and
     speculators take them as given (the input of block k), SGLang's Llama adds 1 (EXPORT.md 3.4).
@@ -48,7 +53,7 @@ def eagle3_config(target_config: dict, verifier: str, aux_layers: list[int], def
         return {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
                 "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": layer,
                 "draft_vocab_size": draft_vocab, "target_hidden_size": None, "norm_before_residual": False,
-                "norm_before_fc": False, "fc_norm": False, "norm_output": False,
+                "norm_before_fc": False, "fc_norm": fc_norm, "norm_output": norm_output,
                 "eagle_aux_hidden_state_layer_ids": list(aux_layers),
                 "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
                                        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
@@ -57,4 +62,4 @@ def eagle3_config(target_config: dict, verifier: str, aux_layers: list[int], def
     if custom:
         eagle["eagle_aux_hidden_state_layer_ids"] = [k - 1 for k in aux_layers] if fmt == "sglang" else list(aux_layers)
     return {**layer, "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "draft_vocab_size": draft_vocab,
-            "norm_before_residual": False, "eagle_config": eagle}
+            "norm_before_residual": False, "fc_norm": fc_norm, "norm_output": norm_output, "eagle_config": eagle}

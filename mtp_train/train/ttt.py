@@ -1,10 +1,11 @@
 """Training-time test: the ``eagle3`` head's objective over packed documents, ``train.unroll`` steps.
 
 Every step runs over all positions of the batch. Step j at document position i reads the token t_{i+1+j} and a
-hidden input: ``fc`` of the target's aux states at i for j = 0, else the head's own step j-1 output at i (what
-chained drafting feeds back). It predicts t_{i+2+j} at RoPE position i + j. Its attention (``TTTAttention``) sees
-what the runtime's draft would hold there: the step-0 keys at positions <= i of its document (made from the
-target's states) and, from steps 1..j, only the keys at its own row (the draft's own earlier chain steps).
+hidden input: ``fc`` of the target's aux states at i for j = 0, else the head's own step j-1 output at i as chained
+drafting feeds it back (``feedback_state``: after the final norm for a ``norm_output`` head). It predicts t_{i+2+j}
+at RoPE position i + j. Its attention (``TTTAttention``) sees what the runtime's draft would hold there: the step-0
+keys at positions <= i of its document (made from the target's states) and, from steps 1..j, only the keys at its
+own row (the draft's own earlier chain steps).
 
 The teacher is the target's distribution of t_{i+2+j} restricted to the draft vocabulary S and renormalised: the
 draft can place mass on S only, and q = p|S is the best it can do (its acceptance, the sum of min(p, q), is then
@@ -119,7 +120,7 @@ def ttt_loss(head: Eagle3Head, frozen: FrozenTarget, batch: Batch, weights: Loss
             break
         token = torch.minimum(rows + 1 + j, ends - 1)  # past a document's end: its last token, never counted
         out = forward(frozen.embed(batch.tokens[token]), hidden, positions + j, plan, aux)
-        hidden, aux = out, None  # the next step reads this output, as chained drafting feeds it back
+        hidden, aux = head.feedback_state(out), None  # what the next step reads, as chained drafting feeds it back
         counted = valid & batch.loss_mask[(label - weights.gate_offset).clamp(max=n - 1)]
         count = int(counted.sum())
         if count == 0:
