@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from bench.machine import machine_line  # noqa: E402
 
-from mtp_train.runtime.engine import Engine  # noqa: E402
+from mtp_train.runtime.engine import CPU_KV_BYTES, Engine  # noqa: E402
 from mtp_train.runtime.sampling import SamplingParams  # noqa: E402
 from mtp_train.data.dataset import load_rows  # noqa: E402
 
@@ -36,6 +36,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--kv-gb", type=float, default=CPU_KV_BYTES / 2**30,
+                        help="the KV cache in GiB (target.kv_cache_gb; the runtime's CPU default when unset)")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
@@ -48,13 +50,14 @@ def main() -> None:
     rows = load_rows([REPO / "data/general/prompts.jsonl.gz"], "openai", False, args.prompts).rows
     prompts = [tokenizer.apply_chat_template(r.content[:1], add_generation_prompt=True, tokenize=True,
                                              return_dict=True)["input_ids"] for r in rows]
-    engine = Engine.from_pretrained(root, max_batch_tokens=4096, max_seqs=args.width)
+    engine = Engine.from_pretrained(root, max_batch_tokens=4096, max_seqs=args.width, kv_bytes=int(args.kv_gb * 2**30))
     start = time.perf_counter()
     results = engine.generate(prompts, SamplingParams(0.0, 0, 1.0, args.new_tokens))
     elapsed = time.perf_counter() - start
     generated = sum(len(r.tokens) for r in results)
     digest = hashlib.md5(str([r.tokens for r in results]).encode()).hexdigest()
-    print(f"width {args.width}, {len(prompts)} prompts ({sum(map(len, prompts)):,} prompt tokens), {generated:,} "
+    print(f"width {args.width}, KV cache {args.kv_gb:g} GiB ({engine.allocator.num_pages * engine.allocator.page_size:,} "
+          f"token slots), {len(prompts)} prompts ({sum(map(len, prompts)):,} prompt tokens), {generated:,} "
           f"tokens generated in {elapsed:.1f}s: {generated / elapsed:.1f} tok/s; outputs md5 {digest}")
     decode, prefill = matmul_seconds(engine.cfg, args.width), matmul_seconds(engine.cfg, 4096)
     bound = generated / (sum(map(len, prompts)) * prefill + generated * decode)

@@ -210,6 +210,30 @@ def test_the_one_call_paged_attention_equals_the_sdpa_path(heads):
     assert torch.allclose(fused_k, ref_k, atol=1e-6) and torch.equal(fused_v, ref_v)
 
 
+@pytest.mark.parametrize("order", [[7, 0, 12, 3, 0, 30], [0, 7, 12, 0, 3, 30]])
+def test_a_wide_steps_cached_sequences_attend_in_one_kernel_call_as_sdpa_does(order):
+    """A step of many rows on CPU attends its sequences with cached keys in one call of the paged kernel
+    (``attend_paged``) and its fresh prefills by SDPA: the same output as every sequence by SDPA (``stored_layout``),
+    whether the cached ones are neighbours in the batch or not; a mutant that skips the kernel's part leaves rows
+    unwritten and fails."""
+    from mtp_train.models.parts import stored_layout
+    from mtp_train.runtime.attention import TorchAttention
+
+    n_heads, n_kv, dim = 4, 2, 16
+    g = torch.Generator().manual_seed(1)
+    meta = _step(order, [1, 5, 3, 40, 2, 1], pages=64)
+    rows = meta.tokens.numel()
+    q, k, v = (torch.randn(rows, h, dim, generator=g) for h in (n_heads, n_kv, n_kv))
+    caches = [torch.randn(64, 4, n_kv, dim, generator=g) for _ in range(2)]
+    step = TorchAttention().plan(meta, n_heads, n_kv, dim)
+    assert step._paged is not None and len(step.fresh) == 2
+    with torch.inference_mode():
+        fused = step.attend(q, k, v, *(c.clone() for c in caches))
+        with stored_layout():
+            ref = TorchAttention().plan(meta, n_heads, n_kv, dim).attend(q, k, v, *(c.clone() for c in caches))
+    assert torch.allclose(fused, ref, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_a_decoder_layer_in_one_call_equals_it_op_by_op(family, tmp_path):
     """On CPU a decode or verify step of up to 64 rows runs each decoder layer in one kernel call (``run_layer``):

@@ -9,12 +9,13 @@ and is imported only when selected.
 from __future__ import annotations
 
 import sys
-
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+from mtp_train.models.parts import decode_copies
 from mtp_train.models.transformer import AttentionPlan
 from mtp_train.runtime.batch import BatchMetadata
 from mtp_train.runtime import small_rows
@@ -127,6 +128,26 @@ class TorchStep:
         if self._one_call:
             self._indexes = (meta.slot_mapping, meta.host_qo_indptr.long(), meta.host_kv_lens.long(),
                              meta.host_page_indptr.long(), meta.page_indices.long())
+        # the sequences with keys in the cache, attended by one kernel call in place of padded groups (CPU)
+        self._paged = (self._paged_rows(bounds, kv_lens)
+                       if (self._by_len and causal and sliding_window is None and meta.tree is None
+                           and meta.tokens.device.type == "cpu" and small_rows.kernel() is not None) else None)
+
+    def _paged_rows(self, bounds: list[int], kv_lens: list[int]) -> tuple[torch.Tensor | slice, tuple[torch.Tensor, ...]]:
+        """The rows of the sequences that are not fresh prefills (a slice where they are neighbours, else an index)
+        and ``small_rows.attend_paged``'s indexes for them."""
+        seqs = sorted(b for group in self._by_len.values() for b in group)
+        q_start = [0]
+        for b in seqs:
+            q_start.append(q_start[-1] + bounds[b + 1] - bounds[b])
+        rows: torch.Tensor | slice
+        if seqs[-1] - seqs[0] == len(seqs) - 1:
+            rows = slice(bounds[seqs[0]], bounds[seqs[-1] + 1])
+        else:
+            rows = torch.cat([torch.arange(bounds[b], bounds[b + 1]) for b in seqs])
+        page_start = self.meta.host_page_indptr.long()[seqs + [len(kv_lens)]]
+        return rows, (torch.tensor(q_start), torch.tensor([kv_lens[b] for b in seqs]), page_start,
+                      self.meta.page_indices.long())
 
     @property
     def groups(self) -> list[_Group]:
@@ -151,7 +172,13 @@ class TorchStep:
     ) -> torch.Tensor:
         """``q [T, Hq, D]``, ``k``/``v [T, Hkv, D]`` -> ``[T, Hq, D]``, after writing ``k``/``v`` to the cache."""
         self.write(k, v, k_cache, v_cache)
-        return self._attend(q, k, v, lambda pages: (k_cache.index_select(0, pages), v_cache.index_select(0, pages)))
+        paged = None
+        if self._paged is not None and q.dtype == k_cache.dtype == torch.float32 and not q.requires_grad \
+                and decode_copies():
+            rows, indexes = self._paged
+            paged = rows, lambda q_rows: small_rows.attend_paged(q_rows, k_cache, v_cache, *indexes, q.shape[-1] ** -0.5)
+        return self._attend(q, k, v, lambda pages: (k_cache.index_select(0, pages), v_cache.index_select(0, pages)),
+                            paged=paged)
 
     def write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """Store ``k``/``v [T, Hkv, D]`` at the step's token slots, attending nothing (a DFlash context)."""
@@ -172,11 +199,13 @@ class TorchStep:
 
         return self._attend(q, latent, latent[..., :v_dim], gather, scale)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gather, scale: float | None = None
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gather, scale: float | None = None,
+                paged: tuple[torch.Tensor | slice, Callable[[torch.Tensor], torch.Tensor]] | None = None
                 ) -> torch.Tensor:
         """SDPA of ``q [T, Hq, D]``: fresh prefills on this step's ``k``/``v [T, Hkv, D|Dv]``, the groups on what
         ``gather(pages [N])`` reads from the cache (``[N, page_size, Hkv, D]`` and ``[N, page_size, Hkv, Dv]``)
-        -> ``[T, Hq, Dv]``."""
+        -> ``[T, Hq, Dv]``; with ``paged`` (the groups' rows, and the kernel that attends their queries over the
+        pages), one kernel call in place of the groups."""
         gqa = k.shape[1] != q.shape[1]
         parts: list[tuple[torch.Tensor | slice, torch.Tensor]] = []
         for s, e in self.fresh:
@@ -186,7 +215,11 @@ class TorchStep:
                 is_causal=self.causal, enable_gqa=gqa, scale=scale,
             )
             parts.append((slice(s, e), out[0].transpose(0, 1)))
-        for g in self.groups:
+        if paged is not None:
+            rows, kernel = paged
+            q_p = q[rows] if isinstance(rows, slice) else q.index_select(0, rows)
+            parts.append((rows, kernel(q_p).view(-1, *q.shape[1:])))
+        for g in self.groups if paged is None else ():
             q_g = q[g.rows] if isinstance(g.rows, slice) else q.index_select(0, g.rows)
             # Whole pages by index_select: about twice as fast as token slots, several times advanced indexing.
             k_g, v_g = gather(g.kv_pages.view(-1))

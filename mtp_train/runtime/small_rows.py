@@ -4,7 +4,8 @@
   where the weight's values all are bfloat16), reading the weight from memory once for all rows;
   ``runtime/small_batch.py`` measures where it beats BLAS and gives those weights a packed copy;
 - the paged attention of a decode or verify step (``paged_attention.cpp``, ``attend``): rotary embedding, the
-  cache writes and every query's softmax over its pages in one call;
+  cache writes and every query's softmax over its pages in one call (``attend_paged``: the softmax alone, for a
+  step of many rows whose projections run on BLAS);
 - a whole decoder layer of such a step in one call (``decode_layer.cpp``, ``decode_layer``): the norms, the packed
   projections, that attention and the gated MLP (``runtime/attention.py``'s plan runs the layers so).
 
@@ -202,6 +203,14 @@ def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: tor
     2 Hkv) D]`` float32 -> ``[T, Hq D]``, the rotated keys and the values stored at ``slots`` on the way."""
     return torch.ops.mtp_paged_attention.attend(qkv, cos, sin, k_cache, v_cache, slots, q_start, kv_lens, page_start,
                                                 pages, n_heads, n_kv_heads, scale)
+
+
+def attend_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_start: torch.Tensor,
+                 kv_lens: torch.Tensor, page_start: torch.Tensor, pages: torch.Tensor, scale: float) -> torch.Tensor:
+    """``attend``'s softmax over the pages for queries ``q [T, Hq, D]`` float32 already rotated, whose keys and values
+    are already in the cache -> ``[T, Hq D]``."""
+    return torch.ops.mtp_paged_attention.attend_paged(q.contiguous(), k_cache, v_cache, q_start, kv_lens, page_start,
+                                                      pages, scale)
 
 
 @dataclass(frozen=True)
