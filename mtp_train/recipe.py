@@ -48,7 +48,8 @@ class TargetConfig(Section):
         False, description="Allow the tokenizer's custom Python code to run. Off unless you trust the checkpoint."
     )
     kv_cache_gb: PositiveFloat | None = Field(
-        None, description="The KV cache per rank, in GiB. Unset: 0.5 on CPU; on CUDA, what "
+        None, description="The KV cache per rank, in GiB. Unset: 0.5 on CPU (where it bounds how many sequences "
+        "regeneration decodes at once: the sequences whose prompts and answers fit); on CUDA, what "
         "`gpu_memory_fraction` of the GPU leaves once the weights are loaded. In the eval the drafts' K/V pools "
         "share it with the target's in proportion to their layers (a one-layer head on a 32-layer target: 1/33)."
     )
