@@ -111,30 +111,39 @@ def eval_prompts(recipe: Recipe, engine: Engine) -> tuple[list[EvalPrompt], list
 
     tokenizer = load_tokenizer(recipe)
     e = recipe.eval
-    prompts: list[EvalPrompt] = []
-    for name in e.prompt_sets:
-        kwargs: dict[str, Any] = {}
-        if name == "heldout":
-            kwargs = heldout_rows(recipe)
-        prompts += load_prompt_set(name, max_prompts=e.max_prompts, seed=recipe.seed, **kwargs)
-    room = prompt_room(engine.cfg, e)
-    kept, ids, skipped = [], [], 0
-    for p in prompts:
-        tokens = render_prompt(tokenizer, p.messages)
-        if len(tokens) > room:  # would not fit the target's positions with the answer
-            skipped += 1
-            continue
-        kept.append(p)
-        ids.append(tokens)
+    kept, ids, skipped = fitting_prompts(recipe, e.prompt_sets, e.max_prompts, prompt_room(engine.cfg, e), tokenizer)
     if not kept:
         raise no_prompt_fits(engine.cfg, e)
     return kept, ids, skipped, tokenizer
 
 
+def fitting_prompts(recipe: Recipe, names: list[str], max_prompts: int | None, room: int, tokenizer: Any
+                    ) -> tuple[list[EvalPrompt], list[list[int]], int]:
+    """The prompts of the sets ``names`` (at most ``max_prompts`` of each; ``heldout``: the recipe's held-out rows)
+    whose rendered ids hold at most ``room`` tokens, their ids, and how many did not fit (the eval's prompts; the
+    τ probe's)."""
+    prompts: list[EvalPrompt] = []
+    for name in names:
+        kwargs: dict[str, Any] = heldout_rows(recipe) if name == "heldout" else {}
+        prompts += load_prompt_set(name, max_prompts=max_prompts, seed=recipe.seed, **kwargs)
+    kept, ids = [], []
+    for p in prompts:
+        tokens = render_prompt(tokenizer, p.messages)
+        if len(tokens) <= room:  # else it would not fit the target's positions with the answer
+            kept.append(p)
+            ids.append(tokens)
+    return kept, ids, len(prompts) - len(kept)
+
+
 def prompt_room(cfg: ModelConfig, e: EvalConfig) -> int:
     """The most prompt tokens that fit the target's positions with an answer of ``eval.max_new_tokens`` and the longest
     chain's drafts (``e``: the recipe's eval section)."""
-    return cfg.max_positions - e.max_new_tokens - max(e.k) - 2
+    return room_for(cfg, e.max_new_tokens, max(e.k))
+
+
+def room_for(cfg: ModelConfig, new_tokens: int, k: int) -> int:
+    """The most prompt tokens that fit the target's positions with ``new_tokens`` and ``k`` drafts after them."""
+    return cfg.max_positions - new_tokens - k - 2
 
 
 def no_prompt_fits(cfg: ModelConfig, e: EvalConfig) -> UserError:

@@ -18,9 +18,8 @@ from typing import Any
 
 import torch
 
-from mtp_train.eval.loading import draft_vocab, heldout_rows
+from mtp_train.eval.loading import draft_vocab, fitting_prompts, room_for
 from mtp_train.eval.metrics import alpha, pooled_tau
-from mtp_train.eval.prompts import load_prompt_set, render_prompt
 from mtp_train.eval.run import request_traces
 from mtp_train.heads import DraftHead
 from mtp_train.recipe import Recipe
@@ -52,9 +51,7 @@ class TauProbe:
         k = max(recipe.eval.k)
         model = load_transformer(recipe.target.path, dtype=resolve_dtype(recipe.target.dtype, device), device=device)
         tokenizer = load_tokenizer(recipe)
-        room = model.cfg.max_positions - t.tau_tokens - k - 2
-        rows = load_prompt_set("heldout", seed=recipe.seed, **heldout_rows(recipe))
-        prompts = [ids for ids in (render_prompt(tokenizer, p.messages) for p in rows) if len(ids) <= room]
+        prompts = fitting_prompts(recipe, ["heldout"], None, room_for(model.cfg, t.tau_tokens, k), tokenizer)[1]
         prompts = prompts[: t.tau_prompts]
         # the target's pages for every prompt with its answer, a step of drafts and a spare page each
         slots = sum(len(p) + t.tau_tokens + k + 32 for p in prompts)
