@@ -55,7 +55,12 @@ class HeadSpec:
     block_size: int = 0  # dflash: positions of a trained block, its first token and block_size - 1 masks
     mask_token_id: int = -1  # dflash: the id an engine writes in the mask positions (the head's own mask vector)
     fc_norm: bool = False  # eagle3 (EAGLE 3.1): an RMSNorm per aux layer's state before fc
-    norm_output: bool = False  # eagle3 (EAGLE 3.1): a chained step reads the previous output after the final norm
+
+    @property
+    def norm_output(self) -> bool:
+        """EAGLE 3.1's ``norm_output``: an eagle3 head whose chained step reads the output after its final norm
+        (``feedback: head_norm``)."""
+        return self.kind == "eagle3" and self.feedback == "head_norm"
 
     @property
     def choices(self) -> Choices:
@@ -68,9 +73,8 @@ class HeadSpec:
                     f"to {self.block_size - 1} tokens in one non-causal forward over a block")
         if self.kind != "eagle3":
             return self.choices.describe()
-        fed = "its output after its final norm" if self.norm_output else "its decoder output"
         return (f"reads fc of the target's {'per-layer normed ' if self.fc_norm else ''}states entering layers "
-                f"{list(self.aux_layers)}, feeds back {fed}, drafts from {self.draft_vocab:,} of the "
+                f"{list(self.aux_layers)}, feeds back {self.choices.fed}, drafts from {self.draft_vocab:,} of the "
                 f"{self.target.vocab_size:,} ids")
 
     def to_json(self) -> dict:
@@ -84,7 +88,7 @@ class HeadSpec:
                        data.get("convention", "native"), bool(data.get("moe", False)),
                        tuple(int(i) for i in data.get("aux_layers", ())), int(data.get("draft_vocab", 0)),
                        int(data.get("block_size", 0)), int(data.get("mask_token_id", -1)),
-                       bool(data.get("fc_norm", False)), bool(data.get("norm_output", False)))
+                       bool(data.get("fc_norm", False)))
         except KeyError as e:
             raise UserError(f"{source}: not a head config (no {e.args[0]!r} field)") from None
         except (TypeError, ValueError) as e:
@@ -150,19 +154,20 @@ def head_spec(kind: str, num_layers: int, target: ModelConfig, fingerprint: str,
               convention: str = "native", aux_layers: tuple[int, ...] = (), draft_vocab: int = 0,
               block_size: int = 0, mask_token_id: int = -1, fc_norm: bool = False,
               norm_output: bool = False) -> HeadSpec:
-    """``aux_layers``: an eagle3 or dflash head's; ``draft_vocab``, ``fc_norm`` and ``norm_output`` an eagle3 head's;
-    ``block_size`` and ``mask_token_id`` a dflash head's (each ignored by the other kinds)."""
+    """``aux_layers``: an eagle3 or dflash head's; ``draft_vocab``, ``fc_norm`` and ``norm_output`` an eagle3 head's
+    (``norm_output``: its feedback is ``head_norm``); ``block_size`` and ``mask_token_id`` a dflash head's (each
+    ignored by the other kinds)."""
     if kind not in HEADS:
         raise UserError(f"head.kind: {kind!r} is not a head; choose one of {sorted(HEADS)}")
     c = choices(kind, convention)
     eagle3, dflash, aux = kind == "eagle3", kind == "dflash", kind in AUX_KINDS
     # A DeepSeek head's layer is of the type the target would have at index L (its own MTP layer's): with experts
     # past the dense first layers, so that the DeepSeek layout's loaders build it as trained.
-    return HeadSpec(kind, num_layers, target, fingerprint, c.hidden_input, c.zero_embed_at_position0, c.feedback,
+    feedback = "head_norm" if eagle3 and norm_output else c.feedback
+    return HeadSpec(kind, num_layers, target, fingerprint, c.hidden_input, c.zero_embed_at_position0, feedback,
                     convention, target.is_moe_layer(target.num_layers) and not aux,
                     tuple(aux_layers) if aux else (), draft_vocab if eagle3 else 0,
-                    block_size if dflash else 0, mask_token_id if dflash else -1, fc_norm and eagle3,
-                    norm_output and eagle3)
+                    block_size if dflash else 0, mask_token_id if dflash else -1, fc_norm and eagle3)
 
 
 def build_head(spec: HeadSpec) -> DraftHead:

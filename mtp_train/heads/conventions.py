@@ -14,16 +14,17 @@
 | mtp | vllm | post_norm | head_norm | yes | vLLM's DeepSeek MTP (DeepSeek-V3-family targets), this runtime |
 | mtp | sglang | post_norm | head_norm | no | SGLang's DeepSeek NextN (DeepSeek-V3-family targets), this runtime |
 | eagle | any | post_norm | output | no | vLLM and SGLang EAGLE (Llama targets), this runtime |
-| eagle3 | any | pre_norm (three layers) | output | no | vLLM and SGLang EAGLE-3 (Llama targets), this runtime |
+| eagle3 | any | pre_norm (three layers) | output (`head.norm_output`: head_norm) | no | vLLM and SGLang EAGLE-3 (Llama targets), this runtime |
 | dflash | any | pre_norm (aux layers, context) | (no chain) | no | vLLM DFlash (Llama, Qwen3 targets), this runtime |
 
 The trainer, the runtime's drafting and the eval read the choices from the head's ``config.json``, never from
-the convention's name, so a head is always run as it was trained.
+the convention's name, so a head is always run as it was trained. An eagle3 head's feedback is EAGLE 3.1's
+``norm_output`` (``head_norm`` where it is on), which the engines read off its config: they serve either.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 CONVENTIONS = ("native", "vllm", "sglang")
 
@@ -36,11 +37,16 @@ class Choices:
     feedback: str  # "output" | "head_norm"
     zero_embed_at_position0: bool
 
+    @property
+    def fed(self) -> str:
+        """What a chained step feeds back, in words."""
+        return "its decoder output" if self.feedback == "output" else "its output after its final norm"
+
     def describe(self) -> str:
         side = "before" if self.hidden_input == "pre_norm" else "after"
-        fed = "its decoder output" if self.feedback == "output" else "its output after its final norm"
         zero = "zeroed" if self.zero_embed_at_position0 else "kept"
-        return f"reads the target's hidden state {side} its final norm, feeds back {fed}, embedding at position 0 {zero}"
+        return (f"reads the target's hidden state {side} its final norm, feeds back {self.fed}, embedding at position 0 "
+                f"{zero}")
 
 
 _TABLE: dict[tuple[str, str], Choices] = {
@@ -75,7 +81,14 @@ def served_by(kind: str, head: Choices, target_family: str) -> list[str]:
     if target_family not in LOADER_FAMILIES[kind]:
         return []
     engines = ("vllm",) if kind == "dflash" else ("vllm", "sglang")  # (SGLang's DFlash is not exported for here)
-    return [engine for engine in engines if choices(kind, engine) == head]
+    return [engine for engine in engines if _engine_choices(kind, engine, head) == head]
+
+
+def _engine_choices(kind: str, engine: str, head: Choices) -> Choices:
+    """What ``engine`` runs a head of ``kind`` with: its convention's choices, whose feedback for eagle3 is the head's
+    own (the engines read EAGLE 3.1's ``norm_output`` off its config)."""
+    want = choices(kind, engine)
+    return replace(want, feedback=head.feedback) if kind == "eagle3" else want
 
 
 def validity_line(kind: str, head: Choices, target_family: str) -> str:

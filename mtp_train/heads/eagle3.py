@@ -8,8 +8,9 @@ ids (``draft_ids``, ascending) give the draft logits. A chained step feeds back 
 in place of ``g`` (``fc`` applies to the target's states only), as vLLM, SGLang and SpecForge do (EXPORT.md 3.3).
 
 EAGLE 3.1's two options, as speculators, vLLM 0.32 and SGLang 0.5.23 name and place them: ``spec.fc_norm`` gives
-each aux layer's state an RMSNorm of its own before ``fc`` (``fc_norm.{0,1,2}``, each ``[H]``); ``spec.norm_output``
-feeds back the output after the final ``norm`` (what the logits read) instead of before it.
+each aux layer's state an RMSNorm of its own before ``fc`` (``fc_norm.{0,1,2}``, each ``[H]``); ``norm_output``
+feeds back the output after the final ``norm`` (what the logits read) instead of before it: the spec's ``feedback:
+head_norm``, which ``DraftHead.feedback_state`` applies through ``lm_head_input``.
 """
 
 from __future__ import annotations
@@ -94,11 +95,6 @@ class Eagle3Head(DraftHead):
 
     def lm_head_input(self, out: torch.Tensor) -> torch.Tensor:
         return self.norm(out)
-
-    def feedback_state(self, out: torch.Tensor) -> torch.Tensor:
-        """Output ``[T, H]`` -> the next chained step's hidden input: the output itself, or (``norm_output``) the
-        output after the final norm, as the engines recycle it for such a head."""
-        return self.norm(out) if self.spec.norm_output else out
 
     def draft_logits(self, out: torch.Tensor) -> torch.Tensor:
         """Output ``[T, H]`` -> logits over the draft vocabulary ``[T, N]`` (float32)."""
