@@ -226,7 +226,7 @@ def test_a_wide_steps_cached_sequences_attend_in_one_kernel_call_as_sdpa_does(or
     q, k, v = (torch.randn(rows, h, dim, generator=g) for h in (n_heads, n_kv, n_kv))
     caches = [torch.randn(64, 4, n_kv, dim, generator=g) for _ in range(2)]
     step = TorchAttention().plan(meta, n_heads, n_kv, dim)
-    assert step._paged is not None and len(step.fresh) == 2
+    assert step._pageable and len(step.fresh) == 2
     with torch.inference_mode():
         fused = step.attend(q, k, v, *(c.clone() for c in caches))
         with stored_layout():

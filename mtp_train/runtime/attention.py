@@ -51,8 +51,8 @@ class _Group:
         kv_lens = meta.kv_lens.long()[index]
         self.q_len = q_len
         self.rows: torch.Tensor | slice
-        if seqs[-1] - seqs[0] == len(seqs) - 1:  # neighbours in the packed batch (seqs ascend)
-            self.rows = slice(bounds[seqs[0]], bounds[seqs[-1] + 1])
+        if (rows := _neighbour_rows(seqs, bounds)) is not None:
+            self.rows = rows
         else:
             starts = meta.qo_indptr.long()[index]
             self.rows = (starts[:, None] + torch.arange(q_len, device=dev)[None, :]).view(-1)
@@ -78,6 +78,12 @@ class _Group:
                 mask[row, :, start : start + bits.shape[1]] = bits
         # Additive float mask, built once per step rather than converted from bool in every layer.
         self.mask = torch.zeros(mask.shape, device=dev).masked_fill_(~mask, float("-inf"))[:, None]
+
+
+def _neighbour_rows(seqs: list[int], bounds: list[int]) -> slice | None:
+    """The new tokens' rows of the sequences ``seqs`` (ascending) as one slice of the packed batch (``bounds``: its
+    ``qo_indptr``) where they are neighbours there, else None."""
+    return slice(bounds[seqs[0]], bounds[seqs[-1] + 1]) if seqs[-1] - seqs[0] == len(seqs) - 1 else None
 
 
 # A padded group's longest cached length is at most RATIO times its shortest, plus SLACK tokens.
@@ -128,26 +134,28 @@ class TorchStep:
         if self._one_call:
             self._indexes = (meta.slot_mapping, meta.host_qo_indptr.long(), meta.host_kv_lens.long(),
                              meta.host_page_indptr.long(), meta.page_indices.long())
-        # the sequences with keys in the cache, attended by one kernel call in place of padded groups (CPU)
-        self._paged = (self._paged_rows(bounds, kv_lens)
-                       if (self._by_len and causal and sliding_window is None and meta.tree is None
-                           and meta.tokens.device.type == "cpu" and small_rows.kernel() is not None) else None)
+        # the sequences with keys in the cache may be attended by one kernel call in place of padded groups (CPU)
+        self._pageable = bool(self._by_len and causal and sliding_window is None and meta.tree is None
+                              and meta.tokens.device.type == "cpu" and small_rows.kernel() is not None)
+        self._paged: tuple[torch.Tensor | slice, tuple[torch.Tensor, ...]] | None = None
 
-    def _paged_rows(self, bounds: list[int], kv_lens: list[int]) -> tuple[torch.Tensor | slice, tuple[torch.Tensor, ...]]:
+    @property
+    def paged(self) -> tuple[torch.Tensor | slice, tuple[torch.Tensor, ...]]:
         """The rows of the sequences that are not fresh prefills (a slice where they are neighbours, else an index)
-        and ``small_rows.attend_paged``'s indexes for them."""
-        seqs = sorted(b for group in self._by_len.values() for b in group)
-        q_start = [0]
-        for b in seqs:
-            q_start.append(q_start[-1] + bounds[b + 1] - bounds[b])
-        rows: torch.Tensor | slice
-        if seqs[-1] - seqs[0] == len(seqs) - 1:
-            rows = slice(bounds[seqs[0]], bounds[seqs[-1] + 1])
-        else:
-            rows = torch.cat([torch.arange(bounds[b], bounds[b + 1]) for b in seqs])
-        page_start = self.meta.host_page_indptr.long()[seqs + [len(kv_lens)]]
-        return rows, (torch.tensor(q_start), torch.tensor([kv_lens[b] for b in seqs]), page_start,
-                      self.meta.page_indices.long())
+        and ``small_rows.attend_paged``'s indexes for them (built on first use, as ``groups``)."""
+        if self._paged is None:
+            bounds, kv_lens = self.meta.host_qo_indptr.tolist(), self.meta.host_kv_lens.tolist()
+            seqs = sorted(b for group in self._by_len.values() for b in group)
+            q_start = [0]
+            for b in seqs:
+                q_start.append(q_start[-1] + bounds[b + 1] - bounds[b])
+            rows = _neighbour_rows(seqs, bounds)
+            if rows is None:
+                rows = torch.cat([torch.arange(bounds[b], bounds[b + 1]) for b in seqs])
+            page_start = self.meta.host_page_indptr.long()[seqs + [len(kv_lens)]]
+            self._paged = rows, (torch.tensor(q_start), torch.tensor([kv_lens[b] for b in seqs]), page_start,
+                                 self.meta.page_indices.long())
+        return self._paged
 
     @property
     def groups(self) -> list[_Group]:
@@ -173,9 +181,8 @@ class TorchStep:
         """``q [T, Hq, D]``, ``k``/``v [T, Hkv, D]`` -> ``[T, Hq, D]``, after writing ``k``/``v`` to the cache."""
         self.write(k, v, k_cache, v_cache)
         paged = None
-        if self._paged is not None and q.dtype == k_cache.dtype == torch.float32 and not q.requires_grad \
-                and decode_copies():
-            rows, indexes = self._paged
+        if self._pageable and q.dtype == k_cache.dtype == torch.float32 and not q.requires_grad and decode_copies():
+            rows, indexes = self.paged
             paged = rows, lambda q_rows: small_rows.attend_paged(q_rows, k_cache, v_cache, *indexes, q.shape[-1] ** -0.5)
         return self._attend(q, k, v, lambda pages: (k_cache.index_select(0, pages), v_cache.index_select(0, pages)),
                             paged=paged)

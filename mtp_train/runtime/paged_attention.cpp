@@ -73,8 +73,8 @@ inline float dot(const float* a, const float* b, int64_t d) {
 
 // Each query row t (of sequence seq_of[t]) and head h: softmax over the keys its causal mask lets it see, read in
 // place from the pages, times the values -> out [T, Hq * D]. q [T, Hq, D] is rotated; the cache holds this step's keys.
-// A work item is a row and `per` query heads that share one KV head (all `group` of them where there are rows
-// enough to keep every thread busy, else one), so that each key and value is read once for those heads.
+// A work item is a row and `per` of its heads: all of them where there are rows enough to keep every thread busy,
+// so that each page of its sequence is read once, front to back; else one (a decode at batch 1 spreads its heads).
 at::Tensor attend_rows(const float* qp, const at::Tensor& like, int64_t t_total, int64_t n_heads, int64_t n_kv_heads,
                        int64_t d, int64_t page_size, const float* kc, const float* vc, const int64_t* qs,
                        const int64_t* kvl, const int64_t* ps, const int64_t* pg, int64_t batch, double scale) {
