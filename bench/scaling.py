@@ -11,7 +11,8 @@ probes (``train.tau_every``) are recorded beside it. The features are precompute
 layers that eagle3 and dflash read) and shared. Each point's eval decodes the recipe's prompt sets (at most 16
 prompts each, 64 new tokens, batch 8, T = 0) at k = 4, and k = 8 for dflash, and records τ, α₁ (the first draft
 position at k = 4), the trainer's held-out top-1 of its first step, the epochs over the training features, and the
-CPU seconds of training and eval.
+CPU seconds of training and eval. ``--features DIR`` trains on a finished precompute instead (a recipe run's
+features, whose stored layers must serve the heads asked for).
 
 Results are keyed by (recipe, head, budget, seed): a point already in the results file is reused, which `run`
 says; ``--retrain`` trains it again and replaces it. Each point is written by appending one JSON line, so an
@@ -124,7 +125,7 @@ def run(args: argparse.Namespace) -> None:
     for item in args.override:  # KIND:key=value
         kind, _, setting = item.partition(":")
         extra.setdefault(kind, []).append(setting)
-    features = _features(recipe, root)
+    features = Path(args.features).resolve() if args.features else _features(recipe, root)
     for budget in args.budgets:
         for head in args.heads:
             for seed in args.seeds:
@@ -217,6 +218,8 @@ def main() -> None:
     r.add_argument("--budgets", nargs="+", type=float, required=True, help="millions of training tokens")
     r.add_argument("--seeds", nargs="+", type=int, default=[0])
     r.add_argument("--results", help="JSONL file (default bench/scaling/<recipe>.jsonl)")
+    r.add_argument("--features", help="a finished precompute's features directory to train on (default: the "
+                   "recipe's, precomputed once under runs/scaling/<recipe>/base)")
     r.add_argument("--retrain", action="store_true", help="train points already in the results again")
     r.add_argument("--override", action="append", default=[], metavar="KIND:KEY=VALUE",
                    help="a recipe override for one head kind's points, e.g. dflash:train.anchors=32 (part of the key)")
