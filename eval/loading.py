@@ -201,7 +201,7 @@ def heldout_rows(recipe: Recipe) -> dict[str, Any]:
 def load_other(recipe: Recipe, cfg: ModelConfig, name: str):
     """What a comparison draft needs: another trained head kind, or for the bigram baseline its successor table
     from the training features."""
-    from mtp_train.runtime.drafters import BigramDrafter
+    from mtp_train.runtime.bigram_drafter import BigramDrafter
     from mtp_train.features.online import open_features
 
     if name == "bigram":
@@ -218,7 +218,7 @@ def load_other(recipe: Recipe, cfg: ModelConfig, name: str):
 
 def other_drafter(engine: Engine, name: str, loaded, vocab: torch.Tensor | None) -> Drafter:
     """A comparison draft from what ``_load_other`` loaded; heads draft from ``vocab`` (``eval.draft_vocab``)."""
-    from mtp_train.runtime.drafters import BigramDrafter
+    from mtp_train.runtime.bigram_drafter import BigramDrafter
 
     return BigramDrafter(engine, loaded) if name == "bigram" else head_drafter(engine, loaded, vocab, name)
 

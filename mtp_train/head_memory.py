@@ -48,7 +48,7 @@ def _plan_spec(recipe: Recipe, cfg: ModelConfig, kind: str | None = None):
     return head_spec(kind, h.num_layers, cfg, "plan", h.convention,
                      tuple(aux_layers_for(h.aux_layers, cfg)) if kind in AUX_KINDS else (),
                      draft_vocab_size(h.draft_vocab, cfg.vocab_size) if eagle3 else 0, h.block_size,
-                     h.mask_id(cfg.vocab_size), h.fc_norm, h.norm_output)
+                     h.mask_id(cfg.vocab_size), h.fc_norm, h.norm_output, h.parallel_drafts or 0)
 
 
 def head_activation_bytes_per_token(recipe: Recipe, cfg: ModelConfig) -> int:
@@ -160,6 +160,13 @@ def head_saved_bytes(recipe: Recipe, cfg: ModelConfig, cu_seqlens: list[int], st
     return sum(kept.values())
 
 
+def planned_steps(recipe: Recipe) -> int:
+    """Steps of rows per token the plan counts: ``train.unroll``, or a P-EAGLE head's ``parallel_drafts`` (its first
+    step and a mask row per further draft at every anchor, each attending as a chained step's row does: counted as
+    that many chained steps)."""
+    return (recipe.head.parallel_drafts or recipe.train.unroll) if recipe.head.kind == "eagle3" else recipe.train.unroll
+
+
 def head_activation_terms(recipe: Recipe, cfg: ModelConfig) -> tuple[int, int]:
     """What the ``train.unroll`` steps of the head keep: ``(bytes per token, bytes per squared token of a
     document)``, for the kernel ``attention_kernel`` names (a dflash head: ``dflash_activation_terms``).
@@ -170,7 +177,7 @@ def head_activation_terms(recipe: Recipe, cfg: ModelConfig) -> tuple[int, int]:
     expanded to every head, and each document's ``[heads, L, S]`` softmax. Measured over the unrolled steps at two
     lengths of one document, ``saved(L) = a L + b L^2`` gives both terms exactly. fp32 is counted; under bf16
     autocast the kernel keeps about half."""
-    steps = recipe.train.unroll
+    steps = planned_steps(recipe)
     kernel = attention_kernel(recipe, cfg)
     if kernel == "flash":
         return steps * head_activation_bytes_per_token(recipe, cfg), 0
@@ -223,7 +230,7 @@ def loss_copy_bytes(recipe: Recipe, cfg: ModelConfig) -> int:
     else:
         row = 5 * hidden + teacher + 24
         whole = tr.batch_tokens * hidden if _plan_spec(recipe, cfg).hidden_input == "post_norm" else 0
-    return tr.unroll * tr.batch_tokens * row + whole
+    return planned_steps(recipe) * tr.batch_tokens * row + whole
 
 
 def train_activation_bytes(recipe: Recipe, cfg: ModelConfig) -> int:

@@ -26,7 +26,17 @@ class HeadConfig(Section):
     )
     mask_token_id: NonNegativeInt | None = Field(
         None, description="`dflash`: the token id an engine writes in the mask positions (the head trains a mask "
-        "vector of its own, exported as `mask_embedding.pt`, started from this id's embedding). Null: the last id.",
+        "vector of its own, exported as `mask_embedding.pt`, started from this id's embedding). `eagle3` with "
+        "`parallel_drafts` (P-EAGLE): the id whose frozen embedding its mask positions read (vLLM's `pard_token`). "
+        "Null: the last id.",
+    )
+    parallel_drafts: int | None = Field(
+        None, ge=2, description="`eagle3`: P-EAGLE, drafting up to this many tokens in one forward (vLLM's "
+        "`parallel_drafting`): the last verified position's row, then `parallel_drafts - 1` mask positions "
+        "(`mask_token_id`'s embedding and a trained `mask_hidden` in place of the target's states), each attending "
+        "causally to the context and the masks before it. Trained with `train.unroll: 1` (no chain is served) plus "
+        "the mask positions' loss, weighted `train.unroll_decay**j`; `eval.k` and tree depths past it are refused. "
+        "Null: a chain drafter.",
     )
     aux_layers: list[int] | None = Field(
         None, description="`eagle3`, `dflash`: the three target layers it reads, as vLLM and SGLang number them (id k: "

@@ -11,6 +11,7 @@ def check_rules(recipe: Any) -> None:
     dflash_drafts_within_its_block(recipe)
     trained_heads_take_the_train_settings(recipe)
     eagle3_norms_need_an_eagle3_head(recipe)
+    parallel_drafts_within_what_trains(recipe)
     tau_probes_need_heldout_rows(recipe)
 
 
@@ -57,6 +58,30 @@ def eagle3_norms_need_an_eagle3_head(recipe: Any) -> None:
             raise ValueError(f"head.{name}: applies to eagle3 heads only (EAGLE 3.1), and this recipe trains "
                              f"{', '.join(recipe.head_kinds()) or 'no head'}; set head.kind: eagle3 or head.{name}: "
                              "false")
+
+
+def parallel_drafts_within_what_trains(recipe: Any) -> None:
+    """``head.parallel_drafts`` (P-EAGLE) is an eagle3 head's; it trains one step and its mask positions, so the
+    eval's head may not draft past them, and a chain step (``train.unroll`` above 1) would train what is never
+    served."""
+    drafts = recipe.head.parallel_drafts
+    if drafts is None:
+        return
+    if recipe.head.kind != "eagle3":
+        raise ValueError(f"head.parallel_drafts: P-EAGLE is an eagle3 head's option, and head.kind is "
+                         f"{recipe.head.kind}; set head.kind: eagle3 or head.parallel_drafts: null")
+    if recipe.train.unroll != 1:
+        raise ValueError(f"train.unroll: {recipe.train.unroll} chains steps that a P-EAGLE head "
+                         f"(head.parallel_drafts {drafts}) never runs; set train.unroll: 1")
+    if recipe.eval.draft != "head" or recipe.eval.draft_model is not None:
+        return
+    trained = f"past the {drafts} a P-EAGLE head drafts in one forward (head.parallel_drafts)"
+    if max(recipe.eval.k) > drafts:
+        raise ValueError(f"eval.k: k = {max(recipe.eval.k)} drafts {trained}; lower eval.k to at most {drafts} "
+                         f"or set head.parallel_drafts to at least {max(recipe.eval.k)} and train again")
+    deepest = max((t.depth for t in recipe.eval.trees), default=0)
+    if deepest > drafts:
+        raise ValueError(f"eval.trees: depth {deepest} drafts {trained}; lower the depth to at most {drafts}")
 
 
 def tau_probes_need_heldout_rows(recipe: Any) -> None:

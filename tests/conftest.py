@@ -126,6 +126,14 @@ def dflash_run(tmp_path_factory) -> Path:
                      1, [1, 2, 4])
 
 
+@pytest.fixture(scope="session")
+def peagle_run(tmp_path_factory) -> Path:
+    """A P-EAGLE head (``eagle3`` with ``parallel_drafts`` 4) on the same kind of run: aux layers [1, 2, 3], a draft
+    vocabulary of 1,024 ids, its first step and three mask positions trained."""
+    return _tiny_run(tmp_path_factory.mktemp("peagle"), {"kind": "eagle3", "aux_layers": [1, 2, 3], "draft_vocab": 1024,
+                                                          "parallel_drafts": 4}, 1, [1, 2, 4])
+
+
 def hf_tokenizer(root: Path):
     """The tokenizer of the HF checkpoint at ``root``, offline."""
     from transformers import AutoTokenizer

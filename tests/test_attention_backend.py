@@ -46,13 +46,14 @@ def test_flashinfer_workspace_is_at_least_512_mib():
 @pytest.mark.parametrize("backend", ["torch", "auto"])
 def test_drafters_use_the_backend_the_recipe_chose(monkeypatch, backend):
     import mtp_train.runtime.drafters as drafters
+    from mtp_train.runtime.bigram_drafter import BigramDrafter
     from mtp_train.runtime.engine import Engine
 
     engine = Engine.from_pretrained(TINY_TARGET, backend=backend, small_batch_layout=False)
     asked = []
     select = drafters.select_backend
     monkeypatch.setattr(drafters, "select_backend", lambda name, *a, **k: asked.append(name) or select(name, *a, **k))
-    drafters.BigramDrafter(engine, torch.zeros(engine.cfg.vocab_size, dtype=torch.long))
+    BigramDrafter(engine, torch.zeros(engine.cfg.vocab_size, dtype=torch.long))
     assert asked == [backend]
 
 

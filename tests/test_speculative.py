@@ -75,14 +75,15 @@ def test_mtp_greedy_is_lossless_with_a_trained_head(prompts, reference, trained_
         assert sum(r.stats.preemptions for r in out) > 0
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+@pytest.mark.parametrize("kind", ["eagle3", "dflash", "peagle"])
 @pytest.mark.parametrize("k,max_seqs,pages", [c if c == (3, 8, PRESSURE_PAGES) else pytest.param(*c, marks=pytest.mark.slow)
                                                for c in CASES])
 def test_aux_layer_heads_are_lossless_greedy(prompts, reference, request, kind, k, max_seqs, pages):
     """An eagle3 head drafts a chain from its 1,024-id vocabulary over three target layers' states; a dflash head
-    drafts a block over the same layers, its context in the draft's pages (truncated and rewritten on preemption)."""
+    drafts a block over the same layers, its context in the draft's pages (truncated and rewritten on preemption); a
+    P-EAGLE head drafts k in one causal forward over its kept rows and k - 1 masks."""
     run = request.getfixturevalue(f"{kind}_run")
-    head = load_head(run.parent / "run" / "heads" / kind)
+    head = load_head(run.parent / "run" / "heads" / ("eagle3" if kind == "peagle" else kind))
     out = decode(prompts, lambda e: head_drafter(e, head), k, max_seqs, pages)
     assert [r.tokens for r in out] == reference
     assert sum(a for r in out for a in r.stats.accepted) > 0, "a trained head has some drafts accepted"

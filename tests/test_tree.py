@@ -12,7 +12,8 @@ import torch
 from conftest import TINY_TARGET
 import mtp_train.runtime.tree as tree_module
 from mtp_train.models.checkpoint import load_transformer
-from mtp_train.runtime.drafters import BigramDrafter, DraftModelDrafter, head_drafter
+from mtp_train.runtime.bigram_drafter import BigramDrafter
+from mtp_train.runtime.drafters import DraftModelDrafter, head_drafter
 from mtp_train.runtime.engine import Engine
 from mtp_train.runtime.sampling import SamplingParams
 from mtp_train.runtime.speculative import SpeculativeDecoder

@@ -53,8 +53,9 @@ class HeadSpec:
     aux_layers: tuple[int, ...] = ()  # eagle3, dflash: the target layers whose inputs it reads (EXPORT.md 3.4)
     draft_vocab: int = 0  # eagle3: rows of its own lm_head (0: the head uses the frozen lm_head)
     block_size: int = 0  # dflash: positions of a trained block, its first token and block_size - 1 masks
-    mask_token_id: int = -1  # dflash: the id an engine writes in the mask positions (the head's own mask vector)
+    mask_token_id: int = -1  # dflash, P-EAGLE: the id an engine writes in the mask positions
     fc_norm: bool = False  # eagle3 (EAGLE 3.1): an RMSNorm per aux layer's state before fc
+    parallel_drafts: int = 0  # eagle3 (P-EAGLE): tokens drafted in one forward, the last row and masks (0: a chain)
 
     @property
     def norm_output(self) -> bool:
@@ -73,8 +74,10 @@ class HeadSpec:
                     f"to {self.block_size - 1} tokens in one non-causal forward over a block")
         if self.kind != "eagle3":
             return self.choices.describe()
+        drafting = (f"drafts up to {self.parallel_drafts} tokens in one forward (P-EAGLE)" if self.parallel_drafts
+                    else f"feeds back {self.choices.fed}")
         return (f"reads fc of the target's {'per-layer normed ' if self.fc_norm else ''}states entering layers "
-                f"{list(self.aux_layers)}, feeds back {self.choices.fed}, drafts from {self.draft_vocab:,} of the "
+                f"{list(self.aux_layers)}, {drafting}, drafts from {self.draft_vocab:,} of the "
                 f"{self.target.vocab_size:,} ids")
 
     def to_json(self) -> dict:
@@ -88,7 +91,7 @@ class HeadSpec:
                        data.get("convention", "native"), bool(data.get("moe", False)),
                        tuple(int(i) for i in data.get("aux_layers", ())), int(data.get("draft_vocab", 0)),
                        int(data.get("block_size", 0)), int(data.get("mask_token_id", -1)),
-                       bool(data.get("fc_norm", False)))
+                       bool(data.get("fc_norm", False)), int(data.get("parallel_drafts", 0)))
         except KeyError as e:
             raise UserError(f"{source}: not a head config (no {e.args[0]!r} field)") from None
         except (TypeError, ValueError) as e:
@@ -153,10 +156,10 @@ class DraftHead(nn.Module):
 def head_spec(kind: str, num_layers: int, target: ModelConfig, fingerprint: str,
               convention: str = "native", aux_layers: tuple[int, ...] = (), draft_vocab: int = 0,
               block_size: int = 0, mask_token_id: int = -1, fc_norm: bool = False,
-              norm_output: bool = False) -> HeadSpec:
-    """``aux_layers``: an eagle3 or dflash head's; ``draft_vocab``, ``fc_norm`` and ``norm_output`` an eagle3 head's
-    (``norm_output``: its feedback is ``head_norm``); ``block_size`` and ``mask_token_id`` a dflash head's (each
-    ignored by the other kinds)."""
+              norm_output: bool = False, parallel_drafts: int = 0) -> HeadSpec:
+    """``aux_layers``: an eagle3 or dflash head's; ``draft_vocab``, ``fc_norm``, ``norm_output`` and
+    ``parallel_drafts`` an eagle3 head's (``norm_output``: its feedback is ``head_norm``); ``block_size`` a dflash
+    head's, ``mask_token_id`` a dflash or P-EAGLE head's (each ignored by the other kinds)."""
     if kind not in HEADS:
         raise UserError(f"head.kind: {kind!r} is not a head; choose one of {sorted(HEADS)}")
     c = choices(kind, convention)
@@ -167,7 +170,8 @@ def head_spec(kind: str, num_layers: int, target: ModelConfig, fingerprint: str,
     return HeadSpec(kind, num_layers, target, fingerprint, c.hidden_input, c.zero_embed_at_position0, feedback,
                     convention, target.is_moe_layer(target.num_layers) and not aux,
                     tuple(aux_layers) if aux else (), draft_vocab if eagle3 else 0,
-                    block_size if dflash else 0, mask_token_id if dflash else -1, fc_norm and eagle3)
+                    block_size if dflash else 0, mask_token_id if dflash or (eagle3 and parallel_drafts) else -1,
+                    fc_norm and eagle3, parallel_drafts if eagle3 else 0)
 
 
 def build_head(spec: HeadSpec) -> DraftHead:

@@ -11,6 +11,11 @@ EAGLE 3.1's two options, as speculators, vLLM 0.32 and SGLang 0.5.23 name and pl
 each aux layer's state an RMSNorm of its own before ``fc`` (``fc_norm.{0,1,2}``, each ``[H]``); ``norm_output``
 feeds back the output after the final ``norm`` (what the logits read) instead of before it: the spec's ``feedback:
 head_norm``, which ``DraftHead.feedback_state`` applies through ``lm_head_input``.
+
+P-EAGLE (``spec.parallel_drafts`` = K, vLLM's ``parallel_drafting``): K - 1 mask positions follow the last
+verified position's row in the same forward, each reading the frozen embedding of ``mask_token_id`` and ``fc`` of a
+trained ``mask_hidden [3H]`` (vLLM's name and place: the aux concatenation the target's states would fill), so that
+one forward drafts K tokens; no state is fed back.
 """
 
 from __future__ import annotations
@@ -68,6 +73,8 @@ class Eagle3Head(DraftHead):
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.lm_head = Linear(h, spec.draft_vocab, bias=False)
         self.register_buffer("draft_ids", torch.arange(spec.draft_vocab))  # [N] target ids, ascending
+        if spec.parallel_drafts:  # P-EAGLE: the aux states of a mask position, drawn small (fc and norms scale it)
+            self.mask_hidden = nn.Parameter(torch.randn(len(spec.aux_layers) * h) * 0.02)
 
     def project(self, aux: torch.Tensor) -> torch.Tensor:
         """The target's states at the aux layers, concatenated ``[T, 3H]`` -> ``g [T, H]`` (with ``fc_norm``: each
@@ -76,6 +83,10 @@ class Eagle3Head(DraftHead):
             parts = aux.chunk(len(self.fc_norm), dim=-1)
             aux = torch.cat([norm(part) for norm, part in zip(self.fc_norm, parts, strict=True)], dim=-1)
         return self.fc(aux)
+
+    def mask_state(self) -> torch.Tensor:
+        """P-EAGLE: a mask position's hidden input ``[1, H]``, ``project`` of ``mask_hidden``."""
+        return self.project(self.mask_hidden[None])
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor | None, positions: torch.Tensor, plan,
                 aux: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""Drafts for speculative decoding, each on a page allocator of its own: a draft model, a trained head (MTP, EAGLE,
-EAGLE-3) over the target's states, or the bigram baseline.
+"""Drafts for speculative decoding, each on a page allocator of its own: a draft model, or a trained head (MTP, EAGLE,
+EAGLE-3, P-EAGLE, DFlash) over the target's states (the bigram baseline: ``bigram_drafter``).
 
 Between steps, for a running sequence with n tokens:
 
@@ -11,7 +11,9 @@ Between steps, for a running sequence with n tokens:
   ``feedback``). An EAGLE-3 head reads ``fc`` of three layers' states (``capture``) instead of the last layer's;
 - a **block** draft (DFlash) holds the context K/V of 0..n-2, made from the target's states alone, and carries
   nothing: each step one non-causal forward over ``[t_{n-1}, mask x k]`` at n-1..n-1+k drafts all k (its K/V
-  written at those positions, which the next sync overwrites with the verified context).
+  written at those positions, which the next sync overwrites with the verified context);
+- a **P-EAGLE** head holds what an EAGLE-3 head holds, its rows written by the step's one causal forward over the
+  rows since the last and k - 1 masks after them (the masks' K/V overwritten as a block's are).
 
 Under tensor parallelism only the leader rank drafts; the other ranks keep identical page bookkeeping.
 """
@@ -329,52 +331,43 @@ class BlockDrafter(HeadDrafter):
         return block[:, 0], lambda level, tokens, *_: block[:, level, None].expand(-1, tokens.shape[1], -1)
 
 
+class ParallelDrafter(BlockDrafter):
+    """The rows the steps since the last draft brought (``forward`` keeps them: each verified position i's
+    ``t_{i+1}`` and ``fc`` of the target's states) run in one causal forward with k - 1 mask positions after them
+    (``mask_token_id``'s embedding, the head's ``mask_state``): the last verified row drafts the first token and
+    mask position j the (j+1)-th. The rows' keys and values stay in the draft's pages; the masks' are overwritten by
+    the next step's rows at the same positions."""
+
+    def block_logits(self, batch: list[tuple[Sequence, int]], k: int) -> torch.Tensor:
+        """Leader: one forward over each sequence's kept rows and ``k_b - 1`` masks (pages reserved) -> the logits of
+        its drafts ``[B, k, V]`` float32 (row b's first ``k_b``; the rest repeat its last, never read)."""
+        drafts = self.head.spec.parallel_drafts
+        if k > drafts:  # (the recipe refuses a longer draft; this catches a head trained otherwise)
+            raise UserError(f"eval.k: k = {k} drafts past the {drafts} a P-EAGLE head drafts in one forward "
+                            f"(head.parallel_drafts); lower eval.k (and eval.trees' depth) to at most {drafts}")
+        mask_id, mask = self.head.spec.mask_token_id, self.head.mask_state()  # [1, H]
+        tokens, starts, hidden, kept = [], [], [], []
+        for seq, k_b in batch:
+            first, rows = self.pending.pop(seq.request_id)
+            masks = max(0, k_b - 1)
+            tokens.append(list(seq.tokens[first + 1 : first + 1 + len(rows)]) + [mask_id] * masks)
+            starts.append(first)
+            hidden += [rows, mask.expand(masks, -1)]
+            kept.append(len(rows))
+        seqs = [seq for seq, _ in batch]
+        meta = build_batch(tokens, starts, [seq.draft_pages.pages for seq in seqs], self.allocator.page_size,
+                           self.engine.device)
+        out = self.head.run(self.target.tok_embeddings(meta.tokens), torch.cat(hidden), meta.positions,
+                            self.backend.plan(meta, *self.heads), self.kv.layers)
+        bounds = meta.host_qo_indptr.tolist()
+        rows = [[bounds[b] + n - 1 + min(j, max(0, k_b - 1)) for j in range(k)]
+                for b, ((_, k_b), n) in enumerate(zip(batch, kept))]
+        return self.logits(out[to_device(torch.tensor(rows), out.device).view(-1)]).view(len(batch), k, -1)
+
+
 def head_drafter(engine: Engine, head: DraftHead, vocab: torch.Tensor | None = None, name: str | None = None
                  ) -> HeadDrafter:
-    """The drafter of a trained head: a block drafter for a dflash head, a chain for the others."""
-    return (BlockDrafter if isinstance(head, DFlashHead) else HeadDrafter)(engine, head, name, vocab)
-
-
-class BigramDrafter(TokenDrafter):
-    """The baseline draft: each token's most frequent successor in the training data (no K/V, no network). Its
-    distribution is one-hot, valid at any temperature (a token is accepted with the target's probability of it)."""
-
-    name = "bigram"
-
-    def __init__(self, engine: Engine, successor: torch.Tensor) -> None:
-        self.successor = successor.to(engine.device)  # [V] int64
-        super().__init__(engine, 0, engine.model.output.weight.dtype, None)
-
-    @staticmethod
-    def from_tokens(sequences: list[torch.Tensor], vocab_size: int) -> torch.Tensor:
-        """``[V]`` most frequent successor of each token over ``sequences`` (a token never seen maps to itself)."""
-        pairs = torch.cat([seq[:-1].long() * vocab_size + seq[1:].long() for seq in sequences if seq.numel() > 1])
-        ids, counts = torch.unique(pairs, return_counts=True)
-        first, second = ids // vocab_size, ids % vocab_size
-        best = torch.zeros(vocab_size, dtype=counts.dtype).scatter_reduce(0, first, counts, "amax")
-        top = counts == best[first]  # ties go to the smallest token id
-        successor = torch.arange(vocab_size).scatter_reduce(0, first[top], second[top], "amin", include_self=False)
-        return successor
-
-    def kv_config(self):
-        return self.engine.cfg
-
-    def tree_forward(self, seqs, level, tokens, hidden, sees):
-        logits = self._successor_logits(tokens.reshape(-1)).view(*tokens.shape, -1)
-        return logits, logits
-
-    def _successor_logits(self, ids: torch.Tensor) -> torch.Tensor:
-        """``ids [N]`` -> ``[N, V]``: 0 at each id's successor, -inf elsewhere."""
-        logits = torch.full((ids.numel(), self.engine.cfg.vocab_size), float("-inf"), device=ids.device)
-        return logits.scatter_(1, self.successor[ids][:, None], 0.0)
-
-    def forward(self, feeds: list[Feed]) -> None:
-        if not self.leader:
-            return
-        if not feeds:
-            return
-        device, last = self.engine.device, [f.tokens[-1:] for f in feeds]
-        ids = torch.cat(last) if isinstance(last[0], torch.Tensor) else to_device(torch.tensor(last).view(-1), device)
-        logits = self._successor_logits(ids)
-        for i, f in enumerate(feeds):
-            self.carried[f.seq.request_id] = (logits[i], logits[i])
+    """The drafter of a trained head: a block drafter for a dflash head, a parallel one for a P-EAGLE head, a chain
+    for the others."""
+    drafter = BlockDrafter if isinstance(head, DFlashHead) else ParallelDrafter if head.spec.parallel_drafts else HeadDrafter
+    return drafter(engine, head, name, vocab)

@@ -18,15 +18,17 @@ from mtp_train.recipe import Recipe
 from mtp_train.train.blocks import block_chunk_rows, block_loss
 from mtp_train.train.data import Batch, load_batch
 from mtp_train.train.loss import LossWeights, StepMetrics, head_loss, simulated_tau
+from mtp_train.train.parallel import parallel_loss
 from mtp_train.train.ttt import ttt_loss
 from mtp_train.features.online import Features
 
 
 def loss_weights(recipe: Recipe) -> LossWeights:
-    """The recipe's loss settings; a dflash head's steps are its block's positions 1..B-1."""
+    """The recipe's loss settings, ``unroll`` counting the steps the loss reports."""
     t, head = recipe.train, recipe.head
     # (train.mask_gate input with a dflash head is refused where the recipe is read, before any stage runs)
-    steps = head.block_size - 1 if head.kind == "dflash" else t.unroll
+    # a dflash head's steps are its block positions 1..B-1; a P-EAGLE head's its first step and mask positions
+    steps = {"dflash": head.block_size - 1, "eagle3": head.parallel_drafts or t.unroll}.get(head.kind, t.unroll)
     return LossWeights(t.w_hidden, t.w_logits, steps, t.unroll_decay, t.teacher, 2 if t.mask_gate == "input" else 0,
                        t.anchors or 0, block_chunk_rows(t.batch_tokens, recipe.data.max_length, t.anchors,
                                                         head.block_size), t.block_lengths == "uniform", t.loss == "lk")
@@ -44,7 +46,8 @@ def objective(head: DraftHead, frozen: FrozenTarget, batch: Batch, weights: Loss
     """The head's training loss (a scalar tensor) and per-step metrics: training-time test for ``eagle3``, blocks for
     ``dflash``, else ``head_loss``. ``forward`` replaces the head's own forward (the DDP wrapper, the runtime's paged
     forward)."""
-    loss = {"eagle3": ttt_loss, "dflash": block_loss}.get(head.spec.kind, head_loss)
+    loss = {"eagle3": parallel_loss if head.spec.parallel_drafts else ttt_loss, "dflash": block_loss}.get(
+        head.spec.kind, head_loss)
     return loss(head, frozen, batch, weights, forward)
 
 

@@ -94,9 +94,10 @@ def _top1(logits, x: torch.Tensor, vocab: int) -> torch.Tensor:
     return torch.cat(parts) if parts else x.new_zeros(0, dtype=torch.long)
 
 
-def ttt_loss(head: Eagle3Head, frozen: FrozenTarget, batch: Batch, weights: LossWeights, forward=None
-             ) -> tuple[torch.Tensor, list[StepMetrics]]:
-    """Weighted loss over the unrolled steps and per-step metrics (``forward``: the head as wrapped for DDP)."""
+def ttt_loss(head: Eagle3Head, frozen: FrozenTarget, batch: Batch, weights: LossWeights, forward=None,
+             plan: TTTAttention | None = None) -> tuple[torch.Tensor, list[StepMetrics]]:
+    """Weighted loss over the unrolled steps and per-step metrics (``forward``: the head as wrapped for DDP;
+    ``plan``: the attention plan to run, whose step-0 keys a caller reads afterwards)."""
     forward = forward or head
     device = batch.tokens.device
     cu = batch.cu_seqlens
@@ -106,10 +107,8 @@ def ttt_loss(head: Eagle3Head, frozen: FrozenTarget, batch: Batch, weights: Loss
     ends = starts + lengths.repeat_interleave(lengths, output_size=n)
     rows = torch.arange(n, device=device)
     positions = rows - starts
-    t2d = torch.full((frozen.cfg.vocab_size,), -1, dtype=torch.long, device=device)
-    t2d[head.draft_ids] = torch.arange(head.draft_ids.numel(), device=device)
-    exact = weights.teacher == "exact"
-    plan = TTTAttention(cu)
+    t2d = vocab_index(head, frozen.cfg.vocab_size)
+    plan = plan or TTTAttention(cu)
     hidden, aux = None, batch.aux
     total = batch.hidden.new_zeros(())
     metrics: list[StepMetrics] = []
@@ -126,20 +125,35 @@ def ttt_loss(head: Eagle3Head, frozen: FrozenTarget, batch: Batch, weights: Loss
         if count == 0:
             metrics.append(StepMetrics(out.new_zeros(()), 0, 0))
             continue
-        teacher_rows = (rows + 1 + j)[counted]
-        target_top1 = _top1(lambda h: frozen.logits(frozen.final_norm(h)), batch.hidden[teacher_rows],
-                            frozen.cfg.vocab_size) if exact else batch.topk_ids[teacher_rows, 0]
-        kept = t2d[target_top1] >= 0  # positions whose target top-1 the draft vocabulary holds
-        picked = out[counted]
-        teacher = [batch.hidden[teacher_rows]] if exact else [
-            batch.topk_logprobs[teacher_rows], batch.topk_ids[teacher_rows], batch.tail_logprob[teacher_rows]]
-        size = chunk_rows(head.draft_ids.numel())
-        parts = [checkpoint(_chunk, head, frozen, exact, weights.lk, t2d, *c, use_reentrant=False,
-                            preserve_rng_state=False)
-                 for c in zip(picked[kept].split(size), *(t[kept].split(size) for t in teacher))]
-        kl = torch.cat(parts) if parts else picked.new_zeros(0)
-        step_loss = weights.w_logits * kl.mean() if kl.numel() else picked.sum() * 0.0
+        step_loss, metric = draft_step_loss(head, frozen, batch, weights, t2d, out[counted], (rows + 1 + j)[counted])
         total = total + (weights.decay**j) * step_loss
-        draft_top1 = head.draft_ids[_top1(head.draft_logits, picked, head.draft_ids.numel())]
-        metrics.append(StepMetrics(step_loss.detach(), int((draft_top1 == target_top1).sum()), count))
+        metrics.append(metric)
     return total, metrics
+
+
+def vocab_index(head: Eagle3Head, vocab_size: int) -> torch.Tensor:
+    """``t2d [V]``: each target id's index in the draft vocabulary, -1 where it holds none."""
+    t2d = torch.full((vocab_size,), -1, dtype=torch.long, device=head.draft_ids.device)
+    t2d[head.draft_ids] = torch.arange(head.draft_ids.numel(), device=t2d.device)
+    return t2d
+
+
+def draft_step_loss(head: Eagle3Head, frozen: FrozenTarget, batch: Batch, weights: LossWeights, t2d: torch.Tensor,
+                    picked: torch.Tensor, teacher_rows: torch.Tensor) -> tuple[torch.Tensor, StepMetrics]:
+    """One draft step's loss over counted rows: head outputs ``picked [n, H]`` against the teacher stored at batch
+    rows ``teacher_rows [n]`` (restricted to the draft vocabulary; rows whose target top-1 it lacks are left out of
+    the loss and counted as misses) -> (the step's unweighted loss, its metrics)."""
+    exact = weights.teacher == "exact"
+    target_top1 = _top1(lambda h: frozen.logits(frozen.final_norm(h)), batch.hidden[teacher_rows],
+                        frozen.cfg.vocab_size) if exact else batch.topk_ids[teacher_rows, 0]
+    kept = t2d[target_top1] >= 0  # positions whose target top-1 the draft vocabulary holds
+    teacher = [batch.hidden[teacher_rows]] if exact else [
+        batch.topk_logprobs[teacher_rows], batch.topk_ids[teacher_rows], batch.tail_logprob[teacher_rows]]
+    size = chunk_rows(head.draft_ids.numel())
+    parts = [checkpoint(_chunk, head, frozen, exact, weights.lk, t2d, *c, use_reentrant=False,
+                        preserve_rng_state=False)
+             for c in zip(picked[kept].split(size), *(t[kept].split(size) for t in teacher))]
+    kl = torch.cat(parts) if parts else picked.new_zeros(0)
+    step_loss = weights.w_logits * kl.mean() if kl.numel() else picked.sum() * 0.0
+    draft_top1 = head.draft_ids[_top1(head.draft_logits, picked, head.draft_ids.numel())]
+    return step_loss, StepMetrics(step_loss.detach(), int((draft_top1 == target_top1).sum()), picked.shape[0])
