@@ -143,8 +143,10 @@ def check(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     theirs_plain = serve(args.vllm_python, {**job, "head": None}, work, "plain")["tokens"]
     method = recipe.head.kind
-    theirs = {k: serve(args.vllm_python, {**job, "head": str(exported), "k": k, "method": method}, work, f"k{k}")
-              for k in ks}
+    written = json.loads((exported / "config.json").read_text())  # a P-EAGLE head: vLLM drafts it in parallel
+    parallel = written.get("parallel_drafting", False) or written.get("speculators_model_type") == "peagle"
+    theirs = {k: serve(args.vllm_python, {**job, "head": str(exported), "k": k, "method": method, "parallel": parallel},
+                       work, f"k{k}") for k in ks}
     print(f"vllm_check: vLLM {version}: plain + k={ks} in {time.perf_counter() - t0:.0f}s (work dir {work})",
           file=sys.stderr)
 

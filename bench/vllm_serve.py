@@ -3,7 +3,7 @@
     .venv-vllm/bin/python bench/vllm_serve.py JOB.json RESULT.json
 
 JOB.json: ``{"target": DIR, "prompts": [[token ids], ...], "max_tokens": N, "max_model_len": M,
-"head": DIR or null, "k": K, "method": "eagle", "eagle3" or "dflash"}``. Greedy decoding (T = 0) of the token-id prompts,
+"head": DIR or null, "k": K, "method": "eagle", "eagle3" or "dflash", "parallel": true for a P-EAGLE head}``. Greedy decoding (T = 0) of the token-id prompts,
 stopping at the target's end-of-sequence ids as vLLM reads them from its generation config; with ``head``, EAGLE
 (or EAGLE-3) speculative decoding with ``k`` draft tokens. RESULT.json: the generated token ids per prompt and,
 with a head, vLLM's speculative-decoding counters from ``llm.get_metrics()`` (drafts, draft tokens, accepted
@@ -48,6 +48,8 @@ def main(job_path: str, result_path: str) -> int:
     spec = None
     if job.get("head"):
         spec = {"method": job.get("method", "eagle"), "model": job["head"], "num_speculative_tokens": job["k"]}
+        if job.get("parallel"):  # P-EAGLE: all k drafts from one forward over the last row and k - 1 masks
+            spec["parallel_drafting"] = True
     start = time.perf_counter()
     llm = LLM(model=job["target"], dtype="float32", max_model_len=job["max_model_len"], enforce_eager=True,
               speculative_config=spec, disable_log_stats=False, seed=0)

@@ -66,7 +66,7 @@ def export_head(recipe: Recipe, fmt: str, out: Path | None = None) -> Path:
         raise UserError(f"{root}: no trained {recipe.head.kind} head; run `mtp-train train` first")
     head = load_trained_head(root, recipe.target.path, target)  # another target, hidden size or vocabulary: refused
     spec = head.spec
-    check_format(spec.kind, target.family, fmt, root, spec.num_layers)
+    check_format(spec.kind, target.family, fmt, root, spec.num_layers, spec.parallel_drafts)
     _check_servable(spec.kind, spec.choices, target.family, "vllm" if fmt == "speculators" else fmt, root)
 
     out = out or recipe.export_dir(fmt)
@@ -92,7 +92,7 @@ def export_head(recipe: Recipe, fmt: str, out: Path | None = None) -> Path:
     return out
 
 
-def check_format(kind: str, family: str, fmt: str, root: Path, num_layers: int) -> None:
+def check_format(kind: str, family: str, fmt: str, root: Path, num_layers: int, parallel_drafts: int = 0) -> None:
     """Refuse ``fmt`` for the ``kind`` head of ``num_layers`` layers at ``root`` on a ``family`` target where no engine
     of the format loads it: the recipe (``head.kind``, ``head.num_layers``), the target's config and ``--format``
     decide it alone, so
@@ -101,6 +101,9 @@ def check_format(kind: str, family: str, fmt: str, root: Path, num_layers: int) 
     if kind == "dflash" and fmt != "vllm":
         raise UserError(f"--format {fmt}: {root} is a dflash head; it exports for vLLM's DFlash loader "
                         "(--format vllm)")
+    if parallel_drafts and fmt == "sglang":
+        raise UserError(f"--format sglang: {root} is a P-EAGLE head (head.parallel_drafts {parallel_drafts}); SGLang "
+                        "0.5.23 drafts eagle3 heads in a chain only, so export it with --format vllm or speculators")
     if fmt == "speculators" and kind != "eagle3":
         raise UserError(f"--format speculators: {root} is an {kind} head; the speculators format holds eagle3 "
                         "heads here (train head.kind=eagle3), or export this one with --format vllm or sglang")
@@ -143,7 +146,8 @@ def _config(target_config: dict, spec, fmt: str, trained: dict, target_path: str
     config = {k: v for k, v in target_config.items() if k not in DROPPED_KEYS}
     if spec.kind == "eagle3":
         config = eagle3_config(config, target_path, list(spec.aux_layers), _default_aux(spec.target),
-                               spec.draft_vocab, fmt, spec.fc_norm, spec.norm_output)
+                               spec.draft_vocab, fmt, spec.fc_norm, spec.norm_output, spec.parallel_drafts,
+                               spec.mask_token_id)
     elif spec.kind == "dflash":
         config = dflash_config(spec)
     elif spec.kind == "mtp":  # the target's config, its layers kept: the MTP layer is found at index num_hidden_layers

@@ -32,7 +32,7 @@ import torch
 
 from mtp_train.errors import UserError
 from mtp_train.head_memory import (attention_kernel, batch_bytes, dflash_blocks, frozen_bytes, head_parameter_count,
-                                   loss_copy_bytes, train_activation_bytes)
+                                   loss_copy_bytes, planned_steps, train_activation_bytes)
 from mtp_train.heads.base import AUX_KINDS
 from mtp_train.models.config import ModelConfig
 from mtp_train.recipe import Recipe
@@ -304,9 +304,9 @@ def _train_plan(cfg: ModelConfig, recipe: Recipe, gpu_bytes: int, scoring: int) 
 
 def _steps(recipe: Recipe) -> str:
     """What the activations are of: unrolled steps, or a dflash head's blocks and their chunks."""
-    tokens = recipe.train.batch_tokens
+    tokens, parallel = recipe.train.batch_tokens, recipe.head.kind == "eagle3" and recipe.head.parallel_drafts
     if recipe.head.kind != "dflash":
-        return f"{recipe.train.unroll} unrolled steps x {tokens:,} tokens"
+        return f"{planned_steps(recipe)} {'P-EAGLE draft' if parallel else 'unrolled'} steps x {tokens:,} tokens"
     blocks, rows = dflash_blocks(recipe)
     which = ("every anchor" if not recipe.train.anchors else f"{blocks:,} anchors ({recipe.train.anchors} per "
              f"document of {min(recipe.data.max_length, tokens):,} tokens)")

@@ -142,7 +142,8 @@ def check_recipe(recipe: Recipe, stages: tuple[Stage, ...], export_format: str |
     if "export" in names and export_format is not None:
         from mtp_train.export import check_format
 
-        check_format(recipe.head.kind, cfg.family, export_format, recipe.head_dir(), recipe.head.num_layers)
+        check_format(recipe.head.kind, cfg.family, export_format, recipe.head_dir(), recipe.head.num_layers,
+                     recipe.head.parallel_drafts or 0)
 
 
 def check_data(recipe: Recipe, stages: tuple[Stage, ...]) -> list[str]:

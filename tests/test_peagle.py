@@ -126,3 +126,51 @@ def test_a_saved_head_loads_with_its_mask_state(tmp_path):
     assert loaded.spec.parallel_drafts == DRAFTS and loaded.spec.mask_token_id == 7
     assert torch.equal(loaded.mask_hidden, head.mask_hidden)
     assert "P-EAGLE" in loaded.spec.describe()
+
+
+def _saved_run(tmp_path):
+    """A random P-EAGLE head saved as the trained head of a tiny-recipe run; the head and the recipe."""
+    from mtp_train.features.manifest import target_fingerprint
+    from mtp_train.recipe import load_recipe
+    from mtp_train.train.checkpoint import save_head
+
+    frozen = FrozenTarget.load(TINY_TARGET)
+    torch.manual_seed(0)
+    head = build_head(head_spec("eagle3", 1, frozen.cfg, target_fingerprint(TINY_TARGET), aux_layers=(1, 2, 3),
+                                draft_vocab=1024, mask_token_id=7, parallel_drafts=DRAFTS))
+    run = tmp_path / "run"
+    save_head(run / "heads" / "eagle3", head, {})
+    return head, load_recipe(TINY_RECIPE, [f"output_dir={run}", "head.kind=eagle3", f"head.parallel_drafts={DRAFTS}",
+                                           "head.mask_token_id=7", "train.unroll=1", "eval.k=[1,2]", "eval.trees=[]"])
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "speculators"])
+def test_the_export_writes_the_mask_state_and_the_parallel_keys_vllm_reads(tmp_path, fmt):
+    """vLLM 0.32 serves a P-EAGLE head as eagle3 with ``parallel_drafting``: the mask token from the config
+    (``mask_token_id``; speculators' ``peagle`` type maps it to ``pard_token``) and ``mask_hidden`` from the
+    weights, under that name."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from mtp_train.export import export_head
+
+    head, recipe = _saved_run(tmp_path)
+    out = export_head(recipe, fmt, tmp_path / fmt)
+    assert torch.equal(load_file(out / "model.safetensors")["mask_hidden"], head.mask_hidden.detach())
+    config = json.loads((out / "config.json").read_text())
+    assert config["mask_token_id"] == 7
+    if fmt == "speculators":
+        assert config["speculators_model_type"] == "peagle"
+        assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == DRAFTS
+    else:
+        assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["parallel_drafting"] is True
+
+
+def test_sglang_export_of_a_parallel_head_is_refused(tmp_path):
+    from mtp_train.export import export_head
+
+    _, recipe = _saved_run(tmp_path)
+    with pytest.raises(UserError, match="SGLang 0.5.23 drafts eagle3 heads in a chain only"):
+        export_head(recipe, "sglang", tmp_path / "sglang")
+    assert not (tmp_path / "sglang").exists()

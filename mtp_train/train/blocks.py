@@ -6,7 +6,9 @@ An anchor is a position a of a document whose next token t_{a+1} is counted (``l
 t_0..t_{a-1}. Block position j = 1..B-1 predicts t_{a+j}; it counts where t_{a+j} lies in the document and has
 ``loss_mask``. The teacher is the target's distribution of t_{a+j} (stored top-K and tail at row a+j-1, or
 ``exact``); the loss is KL(target || draft) through the frozen lm_head, position j weighted ``decay**(j-1)``
-(``train.unroll_decay``): a draft is accepted only up to its first miss, so the first positions matter most.
+(``train.unroll_decay``): a draft is accepted only up to its first miss, so the first positions matter most. With
+``train.dpace_alpha`` the weights are D-PACE's instead (``dpace_weights``), per block, and the loss is their sum over
+positions averaged over the batch's blocks.
 
 Anchors: every one by default, since the context's keys are made once per layer for all of a document's blocks;
 ``train.anchors`` samples that many per document, uniformly, without replacement, from torch's global generator (which
@@ -113,6 +115,16 @@ def _through_wrapper_once(forward, head: DFlashHead, frozen: FrozenTarget):
     return run
 
 
+def dpace_weights(probs: torch.Tensor, counted: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE's weights ``[A, P]`` of blocks' positions 1..P: with ``s_i = (1 - alpha) q_i + alpha`` (``probs [A, P]``,
+    the draft's probability of the target's top-1; 1 where ``counted [A, P]`` is not set), position j weighs
+    ``sum_{m >= j, counted} prod_{i <= m} s_i``, the derivative of the smoothed expected accepted length with
+    respect to ``log q_j`` (zero where not counted)."""
+    smooth = torch.where(counted, (1 - alpha) * probs + alpha, torch.ones_like(probs))
+    prefix = torch.cumprod(smooth, -1) * counted
+    return (prefix.flip(-1).cumsum(-1).flip(-1) * counted).detach()
+
+
 def block_loss(head: DFlashHead, frozen: FrozenTarget, batch: Batch, weights: LossWeights, forward=None
                ) -> tuple[torch.Tensor, list[StepMetrics]]:
     """Weighted loss over block positions 1..B-1 and their metrics (``forward``: the head as wrapped for DDP)."""
@@ -151,6 +163,7 @@ def block_loss(head: DFlashHead, frozen: FrozenTarget, batch: Batch, weights: Lo
                 block_positions[a0:a1].reshape(-1), plan)
         out = (checkpoint(run, *args, use_reentrant=False, preserve_rng_state=False) if torch.is_grad_enabled()
                else run(*args)).view(a1 - a0, size, -1)
+        kls, probs = out.new_zeros(a1 - a0, size), out.new_ones(a1 - a0, size)  # (D-PACE: per block and position)
         for j in range(1, size):
             keep = counted[a0:a1, j]
             rows = label[a0:a1][keep, j] - 1  # the target's distribution of t_{a+j} is stored at row a+j-1
@@ -158,11 +171,17 @@ def block_loss(head: DFlashHead, frozen: FrozenTarget, batch: Batch, weights: Lo
                 continue
             teacher = [batch.hidden[rows]] if exact else [batch.topk_logprobs[rows], batch.topk_ids[rows],
                                                           batch.tail_logprob[rows]]
-            kl, draft_top1, target_top1 = vocab_terms(frozen, head.lm_head_input(out[keep, j]), teacher, exact,
-                                                      weights.lk)
-            total = total + weights.decay ** (j - 1) * weights.w_logits * kl.sum() / totals[j]
+            kl, draft_top1, target_top1, q_top1 = vocab_terms(frozen, head.lm_head_input(out[keep, j]), teacher,
+                                                              exact, weights.lk)
+            if weights.dpace is None:
+                total = total + weights.decay ** (j - 1) * weights.w_logits * kl.sum() / totals[j]
+            else:
+                kls[keep, j], probs[keep, j] = kl, q_top1
             sums[j][0] = sums[j][0] + kl.detach().sum()
             sums[j][1] = sums[j][1] + (draft_top1 == target_top1).sum()
+        if weights.dpace is not None:
+            weight = dpace_weights(probs[:, 1:], counted[a0:a1, 1:], weights.dpace)
+            total = total + weights.w_logits * (weight * kls[:, 1:]).sum() / max(1, local.numel())
     metrics = [StepMetrics(weights.w_logits * sums[j][0] / max(1, totals[j]), int(sums[j][1]), totals[j])
                for j in range(1, size)]
     return total, metrics

@@ -52,6 +52,7 @@ class LossWeights:
     block_rows: int = 0  # dflash: block rows per checkpointed chunk (0: blocks.BLOCK_ROWS)
     block_lengths: bool = False  # dflash: each block trains at a length drawn from 2..block_size (else them all)
     lk: bool = False  # the LK loss in place of the KL (``lk_mix``)
+    dpace: float | None = None  # dflash: D-PACE's smoothing alpha, its position weights in place of ``decay**j``
 
 
 @dataclass
@@ -99,23 +100,26 @@ def chunk_rows(vocab: int) -> int:
 
 
 def _vocab_chunk(frozen: FrozenTarget, exact: bool, lk: bool, x: torch.Tensor, *teacher: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One chunk: lm_head inputs ``x [c, H]`` and the teacher's rows (exact: pre-norm target hidden ``[c, H]``;
     top-K: ``lp, ids [c, K]``, ``tail_lp [c]``) -> KL ``[c]`` fp32 (``lk``: the LK loss), draft top-1 and target
-    top-1 ``[c]`` int64."""
+    top-1 ``[c]`` int64, and the draft's probability of the target's top-1 ``[c]`` fp32 (no gradient)."""
     draft_logp = torch.log_softmax(frozen.logits(x), dim=-1)
     if exact:
         target_logp = torch.log_softmax(frozen.logits(frozen.final_norm(teacher[0])), dim=-1)
-        kl = (target_logp.exp() * (target_logp - draft_logp)).sum(-1)
-        return lk_mix(kl, target_logp.exp(), draft_logp.exp(), lk), draft_logp.argmax(-1), target_logp.argmax(-1)
-    return kl_topk(draft_logp, *teacher, lk=lk), draft_logp.argmax(-1), teacher[1][:, 0]
+        kl = lk_mix((target_logp.exp() * (target_logp - draft_logp)).sum(-1), target_logp.exp(), draft_logp.exp(), lk)
+        target_top1 = target_logp.argmax(-1)
+    else:
+        kl, target_top1 = kl_topk(draft_logp, *teacher, lk=lk), teacher[1][:, 0]
+    q_top1 = draft_logp.detach().gather(-1, target_top1[:, None])[:, 0].exp()
+    return kl, draft_logp.argmax(-1), target_top1, q_top1
 
 
 def vocab_terms(frozen: FrozenTarget, x: torch.Tensor, teacher: list[torch.Tensor], exact: bool, lk: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``_vocab_chunk`` over all rows, ``chunk_rows(vocab)`` at a time: ``x [n, H]`` and the teacher's ``[n, ...]``
     -> KL ``[n]`` fp32 (``lk``: the LK loss; differentiable w.r.t. ``x``), draft top-1 and target top-1 ``[n]``
-    int64.
+    int64, the draft's probability of the target's top-1 ``[n]`` (no gradient).
 
     Non-reentrant checkpointing keeps only each chunk's inputs and recomputes its forward in backward, where the
     autograd engine runs one chunk's nodes at a time (later chunks first) and frees them as it goes. It is chosen
@@ -127,8 +131,8 @@ def vocab_terms(frozen: FrozenTarget, x: torch.Tensor, teacher: list[torch.Tenso
     chunks = zip(x.split(rows), *(t.split(rows) for t in teacher))
     parts = [checkpoint(_vocab_chunk, frozen, exact, lk, *c, use_reentrant=False, preserve_rng_state=False)
              for c in chunks]
-    kl, draft_top1, target_top1 = (torch.cat(p) for p in zip(*parts))
-    return kl, draft_top1, target_top1
+    kl, draft_top1, target_top1, q_top1 = (torch.cat(p) for p in zip(*parts))
+    return kl, draft_top1, target_top1, q_top1
 
 
 def _ragged_arange(starts: list[int], counts: list[int], device: torch.device | None) -> torch.Tensor:
@@ -185,7 +189,7 @@ def head_loss(
         exact = weights.teacher == "exact"
         teacher = [batch.hidden[target_rows]] if exact else [
             batch.topk_logprobs[target_rows], batch.topk_ids[target_rows], batch.tail_logprob[target_rows]]
-        kl, draft_top1, target_top1 = vocab_terms(frozen, head.lm_head_input(out[mask]), teacher, exact, weights.lk)
+        kl, draft_top1, target_top1, _ = vocab_terms(frozen, head.lm_head_input(out[mask]), teacher, exact, weights.lk)
         step_loss = weights.w_hidden * sl1.mean() + weights.w_logits * kl.mean()
         total = total + (weights.decay**j) * step_loss
         correct = int((draft_top1 == target_top1).sum())

@@ -31,7 +31,8 @@ def loss_weights(recipe: Recipe) -> LossWeights:
     steps = {"dflash": head.block_size - 1, "eagle3": head.parallel_drafts or t.unroll}.get(head.kind, t.unroll)
     return LossWeights(t.w_hidden, t.w_logits, steps, t.unroll_decay, t.teacher, 2 if t.mask_gate == "input" else 0,
                        t.anchors or 0, block_chunk_rows(t.batch_tokens, recipe.data.max_length, t.anchors,
-                                                        head.block_size), t.block_lengths == "uniform", t.loss == "lk")
+                                                        head.block_size), t.block_lengths == "uniform", t.loss == "lk",
+                       t.dpace_alpha if head.kind == "dflash" else None)
 
 
 def heldout_batches(reader: Features, batch_tokens: int, aux: tuple[int, ...] = ()) -> Iterator[Batch]:
