@@ -75,9 +75,9 @@ def test_mtp_greedy_is_lossless_with_a_trained_head(prompts, reference, trained_
         assert sum(r.stats.preemptions for r in out) > 0
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "dflash", "peagle"])
-@pytest.mark.parametrize("k,max_seqs,pages", [c if c == (3, 8, PRESSURE_PAGES) else pytest.param(*c, marks=pytest.mark.slow)
-                                               for c in CASES])
+@pytest.mark.parametrize("kind,k,max_seqs,pages", [
+    (kind, *c) if c == (3, 8, PRESSURE_PAGES) else pytest.param(kind, *c, marks=pytest.mark.slow)
+    for kind in ("eagle3", "dflash") for c in CASES] + [("peagle", 4, 8, PRESSURE_PAGES), ("peagle", 2, 1, None)])
 def test_aux_layer_heads_are_lossless_greedy(prompts, reference, request, kind, k, max_seqs, pages):
     """An eagle3 head drafts a chain from its 1,024-id vocabulary over three target layers' states; a dflash head
     drafts a block over the same layers, its context in the draft's pages (truncated and rewritten on preemption); a
