@@ -82,6 +82,19 @@ def resume(pids: list[int]) -> None:
         os.kill(pid, signal.SIGCONT)
 
 
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+
+
+def vllm_check(recipe: Path, work: Path, *options: str) -> subprocess.CompletedProcess:
+    """``bench/vllm_check.py`` on ``recipe``'s trained head with ``options`` (``--k``, ``--format``), its work files
+    under ``work``; skips the test where `make vllm`'s environment is absent."""
+    if not VLLM_PYTHON.is_file():
+        pytest.skip(f"vLLM's CPU build is not installed ({VLLM_PYTHON} is absent): `make vllm` creates it")
+    return subprocess.run([sys.executable, str(REPO / "bench" / "vllm_check.py"), str(recipe), *options, "--work",
+                           str(work)], cwd=REPO, capture_output=True, text=True, timeout=1200,
+                          env={**os.environ, "OMP_NUM_THREADS": "2"})
+
+
 @pytest.fixture
 def cli():
     return run_cli

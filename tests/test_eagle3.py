@@ -16,7 +16,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import REPO, TINY_TARGET, assert_one_line_user_error, run_cli
+from conftest import REPO, TINY_TARGET, assert_one_line_user_error, run_cli, vllm_check
 from mtp_train.errors import UserError
 from mtp_train.heads import build_head, head_spec
 from mtp_train.heads.attention import DocumentCausalAttention
@@ -28,9 +28,6 @@ from mtp_train.train.checkpoint import load_head
 from mtp_train.train.ttt import TTTAttention
 from mtp_train.train.vocab import frequent_tokens
 from mtp_train.features.reader import FeatureReader
-
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
-
 
 def _run(recipe: Path) -> Path:
     return recipe.parent / "run"
@@ -150,11 +147,7 @@ def test_speculators_holds_eagle3_heads_only(trained_run, tmp_path):
 @pytest.mark.parametrize("fmt, ks", [("vllm", ["1", "3"]), ("speculators", ["2"])])
 def test_vllm_serves_the_exported_eagle3_head_as_this_runtime_does(eagle3_run, tmp_path, fmt, ks):
     """Like the eagle head's check (test_export.py), with the draft vocabulary's d2t mapping in play."""
-    if not VLLM_PYTHON.is_file():
-        pytest.skip(f"vLLM's CPU build is not installed ({VLLM_PYTHON} is absent): `make vllm` creates it")
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "vllm_check.py"), str(eagle3_run), "--format", fmt,
-                           "--k", *ks, "--work", str(tmp_path / "work")], cwd=REPO, capture_output=True, text=True,
-                          timeout=1200, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    proc = vllm_check(eagle3_run, tmp_path / "work", "--format", fmt, "--k", *ks)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"PASS: {len(ks)}/{len(ks)} k within 3%" in proc.stdout
 

@@ -5,19 +5,14 @@ exported head served by vLLM against this runtime (bench/vllm_check.py)."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 from safetensors import safe_open
 
-from conftest import REPO, TINY_TARGET, assert_one_line_user_error, run_cli
-
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+from conftest import REPO, TINY_TARGET, assert_one_line_user_error, run_cli, vllm_check
 
 
 @pytest.fixture(scope="module")
@@ -154,13 +149,9 @@ def test_export_without_a_trained_head_or_with_an_unknown_format_is_a_one_line_e
 def test_vllm_serves_the_exported_head_as_this_runtime_does(eagle_run, tmp_path):
     """(a) vLLM's speculative output is its plain output; (b) its 1 + accepted / drafts and (c) its accepted counts
     per position are within 3% of this runtime's for the same head, prompts, k and max tokens."""
-    if not VLLM_PYTHON.is_file():
-        pytest.skip(f"vLLM's CPU build is not installed ({VLLM_PYTHON} is absent): `make vllm` creates it")
     if not (eagle_run.parent / "run" / "eval" / "report.json").is_file():
         assert run_cli("eval", eagle_run, timeout=600).returncode == 0
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "vllm_check.py"), str(eagle_run), "--k", "1", "3",
-                           "--work", str(tmp_path / "work")], cwd=REPO, capture_output=True, text=True, timeout=1200,
-                          env={**os.environ, "OMP_NUM_THREADS": "2"})
+    proc = vllm_check(eagle_run, tmp_path / "work", "--k", "1", "3")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "PASS: 2/2 k within 3%" in proc.stdout
     report = json.loads((eagle_run.parent / "run" / "eval" / "report.json").read_text())

@@ -180,17 +180,8 @@ def test_sglang_export_of_a_parallel_head_is_refused(tmp_path):
 def test_vllm_serves_the_exported_parallel_head_as_this_runtime_does(peagle_run, tmp_path):
     """vLLM's CPU build, eagle3 with ``parallel_drafting``: its speculative output equals its plain output, and its
     per-position acceptance is this runtime's within 3%."""
-    import os
-    import subprocess
-    import sys
+    from conftest import vllm_check
 
-    from conftest import REPO
-    from test_eagle3 import VLLM_PYTHON
-
-    if not VLLM_PYTHON.is_file():
-        pytest.skip(f"vLLM's CPU build is not installed ({VLLM_PYTHON} is absent): `make vllm` creates it")
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "vllm_check.py"), str(peagle_run), "--k", "2", "4",
-                           "--work", str(tmp_path / "work")], cwd=REPO, capture_output=True, text=True,
-                          timeout=1200, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    proc = vllm_check(peagle_run, tmp_path / "work", "--k", "2", "4")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "PASS: 2/2 k within 3%" in proc.stdout
