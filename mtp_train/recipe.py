@@ -184,10 +184,13 @@ class TrainConfig(Section):
         "length drawn uniformly from 2..block_size (its later positions unseen and uncounted), as the runtime and vLLM "
         "draft a block of `1 + k` at k drafts. Validation takes full blocks.")
     dpace_alpha: float | None = Field(
-        None, ge=0.0, le=1.0, description="`dflash`: D-PACE (arXiv 2605.18810) position weights in place of "
+        0.5, ge=0.0, le=1.0, description="`dflash`: D-PACE (arXiv 2605.18810) position weights in place of "
         "`unroll_decay`'s: block position j weighs sum over m >= j of prod over i <= m of ((1 - alpha) q_i + alpha), "
         "q_i the draft's probability of the target's top-1 at position i (no gradient): the derivative of the "
-        "expected accepted length, smoothed by alpha (SpecForge's default 0.5). Null: `unroll_decay**(j-1)`.")
+        "expected accepted length, smoothed by alpha (SpecForge's default 0.5). It doubles the first position's "
+        "held-out top-1 of a dflash head on the tiny target (bench/RESULTS.md, the ablations at 1M tokens). Null: "
+        "`unroll_decay**(j-1)`. Other heads ignore the default; setting it for a recipe without a dflash head is "
+        "refused.")
     engine: Literal["ddp", "deepspeed"] = Field("ddp", description="accelerate DDP, or DeepSpeed ZeRO.")
     zero_stage: Literal[1, 2] = Field(1, description="DeepSpeed ZeRO stage when `engine: deepspeed`.")
     save_every: PositiveInt = Field(200, description="Optimizer steps between resumable checkpoints.")

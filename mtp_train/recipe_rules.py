@@ -43,7 +43,8 @@ def trained_heads_take_the_train_settings(recipe: Any) -> None:
     if "dflash" in kinds and recipe.train.mask_gate == "input":
         raise ValueError("train.mask_gate: `input` gates a chain head's steps; a dflash block's predictions are "
                          f"gated by their own labels ({named('dflash')}): set train.mask_gate: label")
-    if recipe.train.dpace_alpha is not None and "dflash" not in kinds:
+    dpace = "dpace_alpha" in recipe.train.model_fields_set and recipe.train.dpace_alpha is not None
+    if dpace and "dflash" not in kinds:
         raise ValueError("train.dpace_alpha: D-PACE weights a dflash head's block positions, and this recipe trains "
                          f"{', '.join(kinds) or 'no head'}; set head.kind: dflash or train.dpace_alpha: null")
     if "eagle3" in kinds and recipe.head.num_layers != 1:

@@ -67,13 +67,15 @@ def test_dpace_weights_the_block_loss_and_keeps_its_metrics(monkeypatch):
     assert base.dpace is None  # the default is the decay
 
 
-def test_dpace_is_refused_where_no_dflash_head_trains():
+def test_dpace_is_a_dflash_heads_default_and_refused_where_none_trains():
     from mtp_train.recipe import load_recipe
 
     with pytest.raises(UserError, match="train.dpace_alpha: D-PACE weights a dflash head"):
         load_recipe(TINY_RECIPE, ["train.dpace_alpha=0.5", "head.kind=eagle3", "eval.compare=[]"])
-    recipe = load_recipe(TINY_RECIPE, ["train.dpace_alpha=0.5", "head.kind=dflash", "eval.compare=[]", "eval.k=[2]",
-                                       "eval.trees=[]"])
     from mtp_train.train.objective import loss_weights
 
-    assert loss_weights(recipe).dpace == 0.5
+    dflash = ["head.kind=dflash", "eval.compare=[]", "eval.k=[2]", "eval.trees=[]"]
+    assert loss_weights(load_recipe(TINY_RECIPE, ["train.dpace_alpha=0.3", *dflash])).dpace == 0.3
+    assert loss_weights(load_recipe(TINY_RECIPE, dflash)).dpace == 0.5  # a dflash head's default
+    assert loss_weights(load_recipe(TINY_RECIPE, ["train.dpace_alpha=null", *dflash])).dpace is None  # the decay
+    assert loss_weights(load_recipe(TINY_RECIPE, ["head.kind=eagle3", "eval.compare=[]"])).dpace is None  # ignored
