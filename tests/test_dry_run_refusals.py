@@ -35,6 +35,9 @@ REFUSALS = (
             ("head.num_layers: an eagle3 head has one decoder layer", "set head.num_layers: 1")),
     Refusal("eagle31-norms", (TINY, "head.norm_output=true"),
             ("head.norm_output: applies to eagle3 heads only", "set head.kind: eagle3 or head.norm_output: false")),
+    Refusal("parallel-drafts-k", (TINY, "head.kind=eagle3", "head.parallel_drafts=2", "train.unroll=1", "eval.k=[3]",
+                                  "eval.trees=[]"), ("eval.k: k = 3 drafts past the 2 a P-EAGLE head drafts",)),
+    Refusal("dpace-no-dflash", (TINY, "train.dpace_alpha=0.5"), ("train.dpace_alpha: D-PACE weights a dflash head",)),
     Refusal("head-kind", (TINY, "head.kind=medusa"), ("head.kind: Input should be",)),
     Refusal("block-size", (TINY, "head.kind=dflash", "head.block_size=1"), ("head.block_size",)),
     Refusal("prompt-set", (TINY, "eval.prompt_sets=[nope]"), ("eval.prompt_sets.0",)),
@@ -78,6 +81,8 @@ REFUSALS = (
     # export: the format against the head's kind and the target's family
     Refusal("export-dflash-sglang", ("export", TINY, "--format", "sglang", "head.kind=dflash"),
             ("--format sglang:", "is a dflash head; it exports for vLLM's DFlash loader")),
+    Refusal("export-peagle-sglang", ("export", TINY, "--format", "sglang", "head.kind=eagle3", "head.parallel_drafts=4",
+                                     "train.unroll=1"), ("--format sglang:", "is a P-EAGLE head", "--format vllm")),
     Refusal("export-speculators-mtp", ("export", TINY, "--format", "speculators"),
             ("--format speculators:", "is an mtp head; the speculators format holds eagle3")),
     Refusal("export-mtp-llama", ("export", TINY, "--format", "vllm"),

@@ -50,6 +50,7 @@ RECIPE_SITES = {
     "mtp_train/export.py::check_format: {}: {}'s EAGLE-1 loader builds a Llama decoder l": "export-eagle-deepseek",
     "mtp_train/export.py::check_format: {}: a dflash head of {} layers cannot be exporte": "export-dflash-layers",
     "mtp_train/export.py::check_format: {}: an mtp head of {} layers cannot be exported": "export-mtp-layers",
+    "mtp_train/export.py::check_format: --format sglang: {} is a P-EAGLE head (head.para": "export-peagle-sglang",
 }
 
 FEATURES = "the features precompute wrote (manifest, index, shards) or their online plan"
@@ -129,6 +130,8 @@ NOT_RECIPE = {
         "(nvcc, or prebuilt kernels)",
     "mtp_train/runtime/drafters.py::BlockDrafter.block_logits: eval.k: k = {} drafts past what the dflash head": HEAD
         + " (its block_size; the recipe's eval.k against head.block_size is a recipe validator)",
+    "mtp_train/runtime/drafters.py::ParallelDrafter.block_logits: eval.k: k = {} drafts past the {} a P-EAGLE head": HEAD
+        + " (its parallel_drafts; the recipe's eval.k against head.parallel_drafts is a recipe validator)",
     "mtp_train/runtime/engine.py::kv_budget: target.gpu_memory_fraction: {} of {} GiB leaves": "the machine (the "
         "GPU's memory and the weights loaded on it)",
     "mtp_train/runtime/engine.py::Engine._score: sequence {} ({} tokens) does not fit the KV cach": KV,
