@@ -22,14 +22,19 @@ def dflash_drafts_within_its_block(recipe: Any) -> None:
     if not head and "dflash" not in recipe.eval.compare:
         return
     size = recipe.head.block_size
-    trained = f"past what a dflash head of head.block_size {size} trains (draft positions 1..{size - 1})"
-    if max(recipe.eval.k) >= size:
-        raise ValueError(f"eval.k: k = {max(recipe.eval.k)} drafts {trained}; lower eval.k to at most {size - 1}, "
-                         f"or set head.block_size to at least {max(recipe.eval.k) + 1} and train again")
+    _drafts_within(recipe, size - 1, f"past what a dflash head of head.block_size {size} trains (draft positions "
+                   f"1..{size - 1})", "head.block_size", 1)
+
+
+def _drafts_within(recipe: Any, most: int, trained: str, setting: str, extra: int) -> None:
+    """Refuse an ``eval.k`` or an ``eval.trees`` depth of more than ``most`` drafts, which go ``trained`` (past what
+    the head trains); the fix names ``setting``, raised to the drafts plus ``extra``."""
     deepest = max((t.depth for t in recipe.eval.trees), default=0)
-    if deepest >= size:
-        raise ValueError(f"eval.trees: depth {deepest} drafts {trained}; lower the depth to at most {size - 1}, "
-                         f"or set head.block_size to at least {deepest + 1} and train again")
+    for named, drafts, lower in (("eval.k: k =", max(recipe.eval.k), "eval.k"), ("eval.trees: depth", deepest,
+                                                                                  "the depth")):
+        if drafts > most:
+            raise ValueError(f"{named} {drafts} drafts {trained}; lower {lower} to at most {most}, or set {setting} "
+                             f"to at least {drafts + extra} and train again")
 
 
 def trained_heads_take_the_train_settings(recipe: Any) -> None:
@@ -79,13 +84,8 @@ def parallel_drafts_within_what_trains(recipe: Any) -> None:
                          f"(head.parallel_drafts {drafts}) never runs; set train.unroll: 1")
     if recipe.eval.draft != "head" or recipe.eval.draft_model is not None:
         return
-    trained = f"past the {drafts} a P-EAGLE head drafts in one forward (head.parallel_drafts)"
-    if max(recipe.eval.k) > drafts:
-        raise ValueError(f"eval.k: k = {max(recipe.eval.k)} drafts {trained}; lower eval.k to at most {drafts} "
-                         f"or set head.parallel_drafts to at least {max(recipe.eval.k)} and train again")
-    deepest = max((t.depth for t in recipe.eval.trees), default=0)
-    if deepest > drafts:
-        raise ValueError(f"eval.trees: depth {deepest} drafts {trained}; lower the depth to at most {drafts}")
+    _drafts_within(recipe, drafts, f"past the {drafts} a P-EAGLE head drafts in one forward (head.parallel_drafts)",
+                   "head.parallel_drafts", 0)
 
 
 def tau_probes_need_heldout_rows(recipe: Any) -> None:

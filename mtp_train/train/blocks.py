@@ -81,15 +81,18 @@ class BlockAttention:
         return range_attention(q, *self.context, self.ranges, [(k, v)])
 
 
+def sampled(rows: torch.Tensor, sample: int) -> torch.Tensor:
+    """One document's candidate anchors ``[n]`` ascending -> all of them, or (``sample`` set and fewer) that many
+    drawn uniformly without replacement from torch's global generator, ascending."""
+    if sample and rows.numel() > sample:
+        rows = rows[torch.randperm(rows.numel(), device=rows.device)[:sample]].sort().values
+    return rows
+
+
 def _anchors(batch: Batch, sample: int) -> list[torch.Tensor]:
     """Per document, the positions whose next token counts ``[A_d]`` ascending: all, or ``sample`` drawn."""
-    picks = []
-    for s, e in zip(batch.cu_seqlens[:-1], batch.cu_seqlens[1:]):
-        local = torch.nonzero(batch.loss_mask[s + 1 : e]).view(-1)  # a where t_{a+1} counts
-        if sample and local.numel() > sample:
-            local = local[torch.randperm(local.numel(), device=local.device)[:sample]].sort().values
-        picks.append(local)
-    return picks
+    return [sampled(torch.nonzero(batch.loss_mask[s + 1 : e]).view(-1), sample)  # a where t_{a+1} counts
+            for s, e in zip(batch.cu_seqlens[:-1], batch.cu_seqlens[1:])]
 
 
 def _chunks(counts: list[int], per_chunk: int) -> list[tuple[int, int, int, int]]:

@@ -24,7 +24,8 @@ from mtp_train.heads.eagle3 import Eagle3Head
 from mtp_train.heads.frozen import FrozenTarget
 from mtp_train.train.data import Batch
 from mtp_train.train.loss import LossWeights, StepMetrics
-from mtp_train.train.ttt import TTTAttention, draft_step_loss, ttt_loss, vocab_index
+from mtp_train.train.blocks import sampled
+from mtp_train.train.ttt import TTTAttention, document_rows, draft_step_loss, ttt_loss, vocab_index
 
 
 class MaskAttention:
@@ -45,12 +46,7 @@ class MaskAttention:
 def _anchors(counted: torch.Tensor, cu: list[int], sample: int) -> torch.Tensor:
     """Rows with a counted mask position ``counted [T, K-1]`` -> the anchor rows ``[A]`` ascending: all, or
     ``sample`` per document drawn."""
-    picks = []
-    for s, e in zip(cu[:-1], cu[1:]):
-        rows = torch.nonzero(counted[s:e].any(1)).view(-1) + s
-        if sample and rows.numel() > sample:
-            rows = rows[torch.randperm(rows.numel(), device=rows.device)[:sample]].sort().values
-        picks.append(rows)
+    picks = [sampled(torch.nonzero(counted[s:e].any(1)).view(-1) + s, sample) for s, e in zip(cu[:-1], cu[1:])]
     return torch.cat(picks) if picks else counted.new_zeros(0, dtype=torch.long)
 
 
@@ -62,10 +58,7 @@ def parallel_loss(head: Eagle3Head, frozen: FrozenTarget, batch: Batch, weights:
     drafts, device, n, cu = head.spec.parallel_drafts, batch.tokens.device, batch.num_tokens, batch.cu_seqlens
     plan = TTTAttention(cu)
     total, metrics = ttt_loss(head, frozen, batch, replace(weights, unroll=1), forward, plan)
-    lengths = torch.tensor([e - s for s, e in zip(cu[:-1], cu[1:])], device=device)
-    starts = torch.tensor(cu[:-1], device=device).repeat_interleave(lengths, output_size=n)
-    ends = starts + lengths.repeat_interleave(lengths, output_size=n)
-    rows = torch.arange(n, device=device)
+    rows, starts, ends = document_rows(cu, device)
     j = torch.arange(1, drafts, device=device)
     label = rows[:, None] + 2 + j  # [T, K-1]: the row of t_{a+2+j}
     counted = (label < ends[:, None]) & batch.loss_mask[(label - weights.gate_offset).clamp(min=0, max=n - 1)]

@@ -94,18 +94,23 @@ def _top1(logits, x: torch.Tensor, vocab: int) -> torch.Tensor:
     return torch.cat(parts) if parts else x.new_zeros(0, dtype=torch.long)
 
 
+def document_rows(cu_seqlens: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed documents ``cu_seqlens [D+1]`` -> each row's index, its document's first row and the row past its
+    document's last, ``[T]`` int64 each."""
+    lengths = torch.tensor([b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])], device=device)
+    n = cu_seqlens[-1]
+    starts = torch.tensor(cu_seqlens[:-1], device=device).repeat_interleave(lengths, output_size=n)
+    return torch.arange(n, device=device), starts, starts + lengths.repeat_interleave(lengths, output_size=n)
+
+
 def ttt_loss(head: Eagle3Head, frozen: FrozenTarget, batch: Batch, weights: LossWeights, forward=None,
              plan: TTTAttention | None = None) -> tuple[torch.Tensor, list[StepMetrics]]:
     """Weighted loss over the unrolled steps and per-step metrics (``forward``: the head as wrapped for DDP;
     ``plan``: the attention plan to run, whose step-0 keys a caller reads afterwards)."""
     forward = forward or head
-    device = batch.tokens.device
     cu = batch.cu_seqlens
     n = batch.num_tokens
-    lengths = torch.tensor([b - a for a, b in zip(cu[:-1], cu[1:])], device=device)
-    starts = torch.tensor(cu[:-1], device=device).repeat_interleave(lengths, output_size=n)
-    ends = starts + lengths.repeat_interleave(lengths, output_size=n)
-    rows = torch.arange(n, device=device)
+    rows, starts, ends = document_rows(cu, batch.tokens.device)
     positions = rows - starts
     t2d = vocab_index(head, frozen.cfg.vocab_size)
     plan = plan or TTTAttention(cu)
