@@ -180,9 +180,10 @@ class TrainConfig(Section):
         "next token counts. Null: a block at every such position.",
     )
     block_lengths: Literal["full", "uniform"] = Field(
-        "full", description="`dflash`: `full` trains every block at `head.block_size`; `uniform` trains each at a "
-        "length drawn uniformly from 2..block_size (its later positions unseen and uncounted), as the runtime and vLLM "
-        "draft a block of `1 + k` at k drafts. Validation takes full blocks.")
+        "uniform", description="`dflash`: `uniform` trains each block at a length drawn uniformly from 2..block_size "
+        "(its later positions unseen and uncounted), as the runtime and vLLM draft a block of `1 + k` at k drafts; "
+        "`full` trains every block at `head.block_size`, which drafts worse at a k below `block_size - 1` "
+        "(bench/RESULTS.md, the ablations at 1M tokens). Validation takes full blocks.")
     dpace_alpha: float | None = Field(
         0.5, ge=0.0, le=1.0, description="`dflash`: D-PACE (arXiv 2605.18810) position weights in place of "
         "`unroll_decay`'s: block position j weighs sum over m >= j of prod over i <= m of ((1 - alpha) q_i + alpha), "
