@@ -14,14 +14,19 @@ position at k = 4), the trainer's held-out top-1 of its first step, the epochs o
 CPU seconds of training and eval. ``--features DIR`` trains on a finished precompute instead (a recipe run's
 features, whose stored layers must serve the heads asked for).
 
-Results are keyed by (recipe, head, budget, seed): a point already in the results file is reused, which `run`
-says; ``--retrain`` trains it again and replaces it. Each point is written by appending one JSON line, so an
-interrupted sweep keeps what it finished.
+Each point records the settings it trained with (the recipe's head and train fields its kind reads, resolved
+with its overrides), and results are keyed by (head, budget, seed, settings): a point already in the results file is
+reused, which `run` says, only while the recipe still resolves to the same settings, so a changed default trains it
+again; ``--retrain`` trains it again and replaces it. Tables and plots label a point by the settings in which it
+differs from the recipe as it stands. Each point is written by appending one JSON line, so an interrupted sweep
+keeps what it finished.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import hashlib
 import json
 import math
 import os
@@ -39,6 +44,28 @@ from bench.machine import machine_line  # noqa: E402
 
 CLI = [sys.executable, "-m", "mtp_train.cli"]
 PROMPTS = 16
+# The head fields each kind reads, and the train fields no head's weights depend on (a point's own length, logging).
+HEAD_FIELDS = {
+    "mtp": ("num_layers", "init", "convention"),
+    "eagle": ("num_layers", "convention"),
+    "eagle3": ("num_layers", "aux_layers", "draft_vocab", "fc_norm", "norm_output", "parallel_drafts", "mask_token_id"),
+    "dflash": ("num_layers", "aux_layers", "block_size", "mask_token_id", "fc_norm"),
+}
+PER_POINT = {"epochs", "max_steps", "save_every", "keep_checkpoints", "val_every", "tau_every", "tau_prompts",
+             "tau_tokens", "wandb_mode", "wandb_project", "engine", "zero_stage"}
+DFLASH_ONLY = {"anchors", "block_lengths", "dpace_alpha"}
+
+
+def settings(recipe: Path, head: str, extra: list[str]) -> dict:
+    """The fields a ``head`` point trains with: ``recipe`` resolved with the overrides ``extra``, as
+    ``{"head.x": value, "train.y": value}`` (the kind's head fields, every train field but the per-point ones)."""
+    from mtp_train.recipe import load_recipe
+
+    r = load_recipe(recipe, [f"head.kind={head}", *extra])
+    h, t = r.head.model_dump(mode="json"), r.train.model_dump(mode="json")
+    skip = PER_POINT | (set() if head == "dflash" else DFLASH_ONLY)
+    return {**{f"head.{k}": h[k] for k in HEAD_FIELDS[head]},
+            **{f"train.{k}": v for k, v in t.items() if k not in skip}}
 
 
 def _cli(*args: str) -> float:
@@ -65,7 +92,9 @@ def _point(recipe: Path, features: Path, root: Path, head: str, budget_m: float,
 
     base = load_recipe(recipe)
     steps = max(1, round(budget_m * 1e6 / base.train.batch_tokens))
-    out = root / f"{head}-{budget_m:g}M-s{seed}" if not extra else root / f"{head}-{budget_m:g}M-s{seed}-{_tag(extra)}"
+    fields = settings(recipe, head, extra)
+    digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:8]
+    out = root / f"{head}-{budget_m:g}M-s{seed}-{digest}"  # a changed default trains in a directory of its own
     common = [f"output_dir={out}", f"precompute.features_dir={features}", f"head.kind={head}", "eval.compare=[]",
               f"seed={seed}", *extra]
     train_s = _cli("train", str(recipe), *common, f"train.max_steps={steps}", f"train.val_every={steps}",
@@ -81,7 +110,7 @@ def _point(recipe: Path, features: Path, root: Path, head: str, budget_m: float,
     tokens = sum(r["tokens"] for r in log)
     return {
         "recipe": recipe.name, "head": head, "budget_m": budget_m, "seed": seed, "overrides": extra, "steps": steps,
-        "tokens": tokens,
+        "settings": fields, "tokens": tokens,
         "epochs": round(tokens / manifest["totals"]["tokens"], 3),
         "tau_k4": at[4]["tau"], "tau_k8": at[8]["tau"] if 8 in at else None, "alpha1": at[4]["alpha"][0],
         "alpha1_k8": at[8]["alpha"][0] if 8 in at else None,
@@ -96,16 +125,21 @@ def _point(recipe: Path, features: Path, root: Path, head: str, budget_m: float,
     }
 
 
-def _tag(extra: list[str]) -> str:
-    return "_".join(x.split(".")[-1].replace("=", "") for x in extra)
-
-
 def _key(r: dict) -> tuple:
-    return r["head"], r["budget_m"], r["seed"], tuple(r.get("overrides", []))
+    return r["head"], r["budget_m"], r["seed"], json.dumps(r["settings"], sort_keys=True)
+
+
+@functools.cache
+def _defaults(recipe: str, head: str) -> dict:
+    return settings(REPO / "recipes" / recipe, head, [])
 
 
 def _label(r: dict) -> str:
-    return r["head"] + (f" ({', '.join(r['overrides'])})" if r.get("overrides") else "")
+    """The head kind, and each setting in which the point differs from its recipe's defaults as they stand."""
+    now = _defaults(r["recipe"], r["head"])
+    diff = [f"{k}={v if isinstance(v, str) else json.dumps(v).replace(' ', '')}"
+            for k, v in r["settings"].items() if now.get(k) != v]
+    return r["head"] + (f" ({', '.join(diff)})" if diff else "")
 
 
 def _read(path: Path) -> list[dict]:
@@ -129,7 +163,7 @@ def run(args: argparse.Namespace) -> None:
     for budget in args.budgets:
         for head in args.heads:
             for seed in args.seeds:
-                key = (head, budget, seed, tuple(extra.get(head, [])))
+                key = (head, budget, seed, json.dumps(settings(recipe, head, extra.get(head, [])), sort_keys=True))
                 if key in done and not args.retrain:
                     print(f"scaling: {head} {budget:g}M seed {seed}: reused from {results} (--retrain trains it "
                           "again)", file=sys.stderr)
