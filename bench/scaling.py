@@ -84,16 +84,15 @@ def _features(recipe: Path, root: Path) -> Path:
     return root / "base" / "features"
 
 
-def _point(recipe: Path, features: Path, root: Path, head: str, budget_m: float, seed: int, extra: list[str]
-           ) -> dict:
-    """Train ``head`` on ``budget_m`` million tokens with ``seed`` and the recipe overrides ``extra``, and evaluate
-    it; the point's record."""
+def _point(recipe: Path, features: Path, root: Path, head: str, budget_m: float, seed: int, extra: list[str],
+           fields: dict) -> dict:
+    """Train ``head`` on ``budget_m`` million tokens with ``seed`` and the recipe overrides ``extra`` (which resolve to
+    ``fields``, from ``settings``), and evaluate it; the point's record."""
     from mtp_train.recipe import load_recipe
 
     base = load_recipe(recipe)
     steps = max(1, round(budget_m * 1e6 / base.train.batch_tokens))
-    fields = settings(recipe, head, extra)
-    digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:8]
+    digest = hashlib.sha256(_canonical(fields).encode()).hexdigest()[:8]
     out = root / f"{head}-{budget_m:g}M-s{seed}-{digest}"  # a changed default trains in a directory of its own
     common = [f"output_dir={out}", f"precompute.features_dir={features}", f"head.kind={head}", "eval.compare=[]",
               f"seed={seed}", *extra]
@@ -125,8 +124,12 @@ def _point(recipe: Path, features: Path, root: Path, head: str, budget_m: float,
     }
 
 
+def _canonical(fields: dict) -> str:
+    return json.dumps(fields, sort_keys=True)
+
+
 def _key(r: dict) -> tuple:
-    return r["head"], r["budget_m"], r["seed"], json.dumps(r["settings"], sort_keys=True)
+    return r["head"], r["budget_m"], r["seed"], _canonical(r["settings"])
 
 
 @functools.cache
@@ -163,13 +166,14 @@ def run(args: argparse.Namespace) -> None:
     for budget in args.budgets:
         for head in args.heads:
             for seed in args.seeds:
-                key = (head, budget, seed, json.dumps(settings(recipe, head, extra.get(head, [])), sort_keys=True))
+                fields = settings(recipe, head, extra.get(head, []))
+                key = (head, budget, seed, _canonical(fields))
                 if key in done and not args.retrain:
                     print(f"scaling: {head} {budget:g}M seed {seed}: reused from {results} (--retrain trains it "
                           "again)", file=sys.stderr)
                     continue
                 started = time.perf_counter()
-                point = _point(recipe, features, root, head, budget, seed, extra.get(head, []))
+                point = _point(recipe, features, root, head, budget, seed, extra.get(head, []), fields)
                 kept = [r for r in _read(results) if _key(r) != key]
                 tmp = results.with_suffix(".tmp")
                 tmp.write_text("".join(json.dumps(r) + "\n" for r in [*kept, point]))
