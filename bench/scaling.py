@@ -212,9 +212,26 @@ def table(args: argparse.Namespace) -> None:
               f"{_mean_se([r['alpha1'] for r in group])} | {_mean_se(a8) if a8 else '—'} | "
               f"{_mean_se([r['val_top1'] for r in group])} | "
               + " | ".join(per_set) + f" | {cpu:.0f} |")
-    cpus = sorted({r["cpu"] for r in rows})
-    print(f"\nMeasured on: {'; '.join(cpus)}. CPU hours in all: "
+    print(f"\nMeasured on: {_machines(rows)}. CPU hours in all: "
           f"{sum(r['train_cpu_s'] + r['eval_cpu_s'] for r in rows) / 3600:.2f}.")
+
+
+def _machines(rows: list[dict]) -> str:
+    """The CPUs the points ran on; where there are several, the points of each but the most used one, and the CPU
+    hours of each."""
+    by_cpu: dict[str, list[dict]] = {}
+    for r in rows:
+        by_cpu.setdefault(r["cpu"], []).append(r)
+    if len(by_cpu) == 1:
+        return next(iter(by_cpu))
+    main = max(by_cpu, key=lambda cpu: len(by_cpu[cpu]))
+    parts = []
+    for cpu, mine in sorted(by_cpu.items(), key=lambda item: item[0] != main):
+        hours = sum(r["train_cpu_s"] + r["eval_cpu_s"] for r in mine) / 3600
+        points = ("every other point" if cpu == main else
+                  ", ".join(f"{head} {budget:g}M ×{len(g)}" for (head, budget), g in _groups(mine).items()))
+        parts.append(f"{cpu} ({points}; {hours:.2f} CPU hours)")
+    return "; ".join(parts)
 
 
 def plot(args: argparse.Namespace) -> None:
