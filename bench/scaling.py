@@ -3,6 +3,7 @@
     .venv/bin/python bench/scaling.py run --recipe recipes/tiny.yaml --heads mtp eagle3 --budgets 0.25 0.5 1 2 4 \\
         --seeds 0                          # one run per (head, budget, seed), each point appended as it lands
     .venv/bin/python bench/scaling.py table bench/scaling/tiny.jsonl     # the Markdown table
+    .venv/bin/python bench/scaling.py positions bench/scaling/tiny.jsonl  # acceptance at each draft position
     .venv/bin/python bench/scaling.py plot bench/scaling/tiny.jsonl bench/scaling/tiny.png
 
 Every point is a separate training run from scratch (the recipe's schedule: warm-up, then cosine decay to the
@@ -10,16 +11,18 @@ point's own budget), so a point is what a run of that budget gives, never a chec
 probes (``train.tau_every``) are recorded beside it. The features are precomputed once per recipe (with the stored
 layers that eagle3 and dflash read) and shared. Each point's eval decodes the recipe's prompt sets (at most 16
 prompts each, 64 new tokens, batch 8, T = 0) at k = 4, and k = 8 for dflash, and records τ, α₁ (the first draft
-position at k = 4), the trainer's held-out top-1 of its first step, the epochs over the training features, and the
-CPU seconds of training and eval. ``--features DIR`` trains on a finished precompute instead (a recipe run's
-features, whose stored layers must serve the heads asked for).
+position at k = 4), the acceptance rate at each draft position given the ones before, the trainer's held-out top-1
+of its first step, the epochs over the training features, and the CPU seconds of training and eval. ``--features
+DIR`` trains on a finished precompute instead (a recipe run's features, whose stored layers must serve the heads
+asked for).
 
-Each point records the settings it trained with (the recipe's head and train fields its kind reads, resolved
-with its overrides), and results are keyed by (head, budget, seed, settings): a point already in the results file is
+Each point records the settings it trained with (the recipe's head and train fields its kind reads, resolved with
+its overrides), and results are keyed by (head, budget, seed, settings): a point already in the results file is
 reused, which `run` says, only while the recipe still resolves to the same settings, so a changed default trains it
-again; ``--retrain`` trains it again and replaces it. Tables and plots label a point by the settings in which it
-differs from the recipe as it stands. Each point is written by appending one JSON line, so an interrupted sweep
-keeps what it finished.
+again; ``--retrain`` trains it again from scratch (its run directory removed first) and replaces it. Tables and
+plots label a point by the settings in which it differs from the recipe as it stands. Each point is written by
+appending one JSON line, so an interrupted sweep keeps what it finished, and the point it was training resumes from
+its last checkpoint.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -85,15 +89,18 @@ def _features(recipe: Path, root: Path) -> Path:
 
 
 def _point(recipe: Path, features: Path, root: Path, head: str, budget_m: float, seed: int, extra: list[str],
-           fields: dict) -> dict:
+           fields: dict, fresh: bool) -> dict:
     """Train ``head`` on ``budget_m`` million tokens with ``seed`` and the recipe overrides ``extra`` (which resolve to
-    ``fields``, from ``settings``), and evaluate it; the point's record."""
+    ``fields``, from ``settings``), and evaluate it; the point's record. The point's run resumes where an earlier one
+    was stopped, unless ``fresh`` (``--retrain``) removes that run first."""
     from mtp_train.recipe import load_recipe
 
     base = load_recipe(recipe)
     steps = max(1, round(budget_m * 1e6 / base.train.batch_tokens))
     digest = hashlib.sha256(_canonical(fields).encode()).hexdigest()[:8]
     out = root / f"{head}-{budget_m:g}M-s{seed}-{digest}"  # a changed default trains in a directory of its own
+    if fresh:
+        shutil.rmtree(out, ignore_errors=True)
     common = [f"output_dir={out}", f"precompute.features_dir={features}", f"head.kind={head}", "eval.compare=[]",
               f"seed={seed}", *extra]
     train_s = _cli("train", str(recipe), *common, f"train.max_steps={steps}", f"train.val_every={steps}",
@@ -113,6 +120,7 @@ def _point(recipe: Path, features: Path, root: Path, head: str, budget_m: float,
         "epochs": round(tokens / manifest["totals"]["tokens"], 3),
         "tau_k4": at[4]["tau"], "tau_k8": at[8]["tau"] if 8 in at else None, "alpha1": at[4]["alpha"][0],
         "alpha1_k8": at[8]["alpha"][0] if 8 in at else None,
+        "alpha_by_position": {str(k): at[k]["alpha"] for k in ks},
         "by_prompt_set": {name: {"tau": g["tau"], "alpha1": g["alpha"][0]}
                           for name, g in at[4]["by_prompt_set"].items()},
         "val_top1": config["validation"]["val_top1"][0],
@@ -173,7 +181,7 @@ def run(args: argparse.Namespace) -> None:
                           "again)", file=sys.stderr)
                     continue
                 started = time.perf_counter()
-                point = _point(recipe, features, root, head, budget, seed, extra.get(head, []), fields)
+                point = _point(recipe, features, root, head, budget, seed, extra.get(head, []), fields, args.retrain)
                 kept = [r for r in _read(results) if _key(r) != key]
                 tmp = results.with_suffix(".tmp")
                 tmp.write_text("".join(json.dumps(r) + "\n" for r in [*kept, point]))
@@ -214,6 +222,17 @@ def table(args: argparse.Namespace) -> None:
               + " | ".join(per_set) + f" | {cpu:.0f} |")
     print(f"\nMeasured on: {_machines(rows)}. CPU hours in all: "
           f"{sum(r['train_cpu_s'] + r['eval_cpu_s'] for r in rows) / 3600:.2f}.")
+
+
+def positions(args: argparse.Namespace) -> None:
+    """The acceptance rate at each draft position at k = 4 (given the positions before), per group of points that
+    recorded it: where a head's chain loses its drafts."""
+    rows = [r for r in _read(Path(args.results)) if "alpha_by_position" in r]
+    print("| head | tokens | seeds | " + " | ".join(f"α{i} k=4" for i in range(1, 5)) + " |")
+    print("|---|---:|---:|" + "---:|" * 4)
+    for (head, budget), group in _groups(rows).items():
+        cells = [_mean_se([r["alpha_by_position"]["4"][i] for r in group]) for i in range(4)]
+        print(f"| {head} | {group[0]['tokens'] / 1e6:.2f}M | {len(group)} | " + " | ".join(cells) + " |")
 
 
 def _machines(rows: list[dict]) -> str:
@@ -280,11 +299,12 @@ def main() -> None:
                    help="a recipe override for one head kind's points, e.g. dflash:train.anchors=32 (part of the key)")
     t = sub.add_parser("table")
     t.add_argument("results")
+    sub.add_parser("positions").add_argument("results")
     p = sub.add_parser("plot")
     p.add_argument("results")
     p.add_argument("png")
     args = parser.parse_args()
-    {"run": run, "table": table, "plot": plot}[args.command](args)
+    {"run": run, "table": table, "positions": positions, "plot": plot}[args.command](args)
 
 
 if __name__ == "__main__":
