@@ -278,8 +278,9 @@ def plot(args: argparse.Namespace) -> None:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("training tokens")
         ax.set_title(title)
-    axes[0].legend(fontsize="small")
-    fig.suptitle(f"{Path(args.results).stem}: " + "; ".join(sorted({r['cpu'] for r in rows})), fontsize="small")
+    axes[0].legend(fontsize="small", loc="lower right")
+    cpus = sorted({r["cpu"].split(" (")[0].removeprefix("cpu: ") for r in rows})  # the models; the table has the rest
+    fig.suptitle(f"{Path(args.results).stem}: " + "; ".join(cpus), fontsize="small")
     fig.savefig(args.png)
 
 
