@@ -278,7 +278,7 @@ def plot(args: argparse.Namespace) -> None:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("training tokens")
         ax.set_title(title)
-    axes[0].legend(fontsize="small", loc="lower right")
+    axes[2].legend(*axes[0].get_legend_handles_labels(), fontsize="small", loc="lower right")  # its empty corner
     cpus = sorted({r["cpu"].split(" (")[0].removeprefix("cpu: ") for r in rows})  # the models; the table has the rest
     fig.suptitle(f"{Path(args.results).stem}: " + "; ".join(cpus), fontsize="small")
     fig.savefig(args.png)
