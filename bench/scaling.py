@@ -214,14 +214,18 @@ def table(args: argparse.Namespace) -> None:
         k8 = [r["tau_k8"] for r in group if r["tau_k8"] is not None]
         a8 = [r["alpha1_k8"] for r in group if r.get("alpha1_k8") is not None]
         per_set = [_mean_se([r["by_prompt_set"][s]["tau"] for r in group if s in r["by_prompt_set"]]) for s in sets]
-        cpu = sum(r["train_cpu_s"] + r["eval_cpu_s"] for r in group) / 60
+        cpu = _cpu_hours(group) * 60
         print(f"| {head} | {group[0]['tokens'] / 1e6:.2f}M | {group[0]['epochs']} | {len(group)} | "
               f"{_mean_se([r['tau_k4'] for r in group])} | {_mean_se(k8) if k8 else '—'} | "
               f"{_mean_se([r['alpha1'] for r in group])} | {_mean_se(a8) if a8 else '—'} | "
               f"{_mean_se([r['val_top1'] for r in group])} | "
               + " | ".join(per_set) + f" | {cpu:.0f} |")
-    print(f"\nMeasured on: {_machines(rows)}. CPU hours in all: "
-          f"{sum(r['train_cpu_s'] + r['eval_cpu_s'] for r in rows) / 3600:.2f}.")
+    print(f"\nMeasured on: {_machines(rows)}. CPU hours in all: {_cpu_hours(rows):.2f}.")
+
+
+def _cpu_hours(rows: list[dict]) -> float:
+    """CPU hours of training and eval over ``rows``."""
+    return sum(r["train_cpu_s"] + r["eval_cpu_s"] for r in rows) / 3600
 
 
 def positions(args: argparse.Namespace) -> None:
@@ -246,10 +250,9 @@ def _machines(rows: list[dict]) -> str:
     main = max(by_cpu, key=lambda cpu: len(by_cpu[cpu]))
     parts = []
     for cpu, mine in sorted(by_cpu.items(), key=lambda item: item[0] != main):
-        hours = sum(r["train_cpu_s"] + r["eval_cpu_s"] for r in mine) / 3600
         points = ("every other point" if cpu == main else
                   ", ".join(f"{head} {budget:g}M ×{len(g)}" for (head, budget), g in _groups(mine).items()))
-        parts.append(f"{cpu} ({points}; {hours:.2f} CPU hours)")
+        parts.append(f"{cpu} ({points}; {_cpu_hours(mine):.2f} CPU hours)")
     return "; ".join(parts)
 
 
