@@ -4,6 +4,7 @@
         --seeds 0                          # one run per (head, budget, seed), each point appended as it lands
     .venv/bin/python bench/scaling.py table bench/scaling/tiny.jsonl     # the Markdown table
     .venv/bin/python bench/scaling.py positions bench/scaling/tiny.jsonl  # acceptance at each draft position
+    .venv/bin/python bench/scaling.py pairs bench/scaling/tiny.jsonl      # differences between heads, seed by seed
     .venv/bin/python bench/scaling.py plot bench/scaling/tiny.jsonl bench/scaling/tiny.png
 
 Every point is a separate training run from scratch (the recipe's schedule: warm-up, then cosine decay to the
@@ -20,7 +21,9 @@ Each point records the settings it trained with (the recipe's head and train fie
 its overrides), and results are keyed by (head, budget, seed, settings): a point already in the results file is
 reused, which `run` says, only while the recipe still resolves to the same settings, so a changed default trains it
 again; ``--retrain`` trains it again from scratch (its run directory removed first) and replaces it. Tables and
-plots label a point by the settings in which it differs from the recipe as it stands. Each point is written by
+plots label a point by the settings in which it differs from the recipe as it stands. A point's eval prompts are drawn
+by its seed alone, so two heads at one seed decode the same prompts: ``pairs`` gives their difference at each shared
+seed, mean ± its standard error, beside the unpaired one (both include the spread of training seed and prompt draw). Each point is written by
 appending one JSON line, so an interrupted sweep keeps what it finished, and the point it was training resumes from
 its last checkpoint.
 """
@@ -239,6 +242,38 @@ def positions(args: argparse.Namespace) -> None:
         print(f"| {head} | {group[0]['tokens'] / 1e6:.2f}M | {len(group)} | " + " | ".join(cells) + " |")
 
 
+def pairs(args: argparse.Namespace) -> None:
+    """τ at k = 4 of every two rows of one budget with at least two seeds in common (over all the files given): the
+    higher minus the lower, at each shared seed (the same eval prompts), mean ± SE and that mean in SEs; beside it the
+    unpaired difference of the rows' means in the SE of that difference."""
+    rows = [r for path in args.results for r in _read(Path(path))]
+    by_seed = {key: {r["seed"]: r for r in group} for key, group in _groups(rows).items()}
+    print("| higher | lower | tokens | shared seeds | τ k=4 higher − lower, paired | in SE | unpaired, in SE |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for budget in sorted({b for _, b in by_seed}):
+        labels = sorted(label for label, b in by_seed if b == budget)
+        for i, a in enumerate(labels):
+            for b in labels[i + 1:]:
+                ra, rb = by_seed[a, budget], by_seed[b, budget]
+                shared = sorted(ra.keys() & rb.keys())
+                if len(shared) < 2:
+                    continue
+                diff = [ra[s]["tau_k4"] - rb[s]["tau_k4"] for s in shared]
+                hi, lo, sign = (a, b, 1) if statistics.mean(diff) >= 0 else (b, a, -1)
+                diff = [sign * d for d in diff]
+                se = statistics.stdev(diff) / math.sqrt(len(diff))
+                ta, tb = ([r["tau_k4"] for r in by_seed[label, budget].values()] for label in (hi, lo))
+                se_u = math.sqrt(sum(statistics.variance(t) / len(t) for t in (ta, tb) if len(t) > 1))
+                d_u = statistics.mean(ta) - statistics.mean(tb)
+                print(f"| {hi} | {lo} | {next(iter(ra.values()))['tokens'] / 1e6:.2f}M | {len(shared)} | "
+                      f"{statistics.mean(diff):.3f} ± {se:.3f} | {_ratio(statistics.mean(diff), se)} | "
+                      f"{d_u:.3f}, {_ratio(d_u, se_u)} |")
+
+
+def _ratio(mean: float, se: float) -> str:
+    return f"{mean / se:.1f}" if se > 0 else "—"
+
+
 def _machines(rows: list[dict]) -> str:
     """The CPUs the points ran on; where there are several, the points of each but the most used one, and the CPU
     hours of each."""
@@ -304,11 +339,12 @@ def main() -> None:
     t = sub.add_parser("table")
     t.add_argument("results")
     sub.add_parser("positions").add_argument("results")
+    sub.add_parser("pairs").add_argument("results", nargs="+")
     p = sub.add_parser("plot")
     p.add_argument("results")
     p.add_argument("png")
     args = parser.parse_args()
-    {"run": run, "table": table, "positions": positions, "plot": plot}[args.command](args)
+    {"run": run, "table": table, "positions": positions, "pairs": pairs, "plot": plot}[args.command](args)
 
 
 if __name__ == "__main__":
