@@ -21,11 +21,11 @@ Each point records the settings it trained with (the recipe's head and train fie
 its overrides), and results are keyed by (head, budget, seed, settings): a point already in the results file is
 reused, which `run` says, only while the recipe still resolves to the same settings, so a changed default trains it
 again; ``--retrain`` trains it again from scratch (its run directory removed first) and replaces it. Tables and
-plots label a point by the settings in which it differs from the recipe as it stands. A point's eval prompts are drawn
-by its seed alone, so two heads at one seed decode the same prompts: ``pairs`` gives their difference at each shared
-seed, mean ± its standard error, beside the unpaired one (both include the spread of training seed and prompt draw). Each point is written by
-appending one JSON line, so an interrupted sweep keeps what it finished, and the point it was training resumes from
-its last checkpoint.
+plots label a point by the settings in which it differs from the recipe as it stands. A point's eval prompts are
+drawn by its seed alone, so two heads at one seed decode the same prompts: ``pairs`` gives their difference at each
+shared seed, mean ± its standard error, beside the unpaired one (both include the spread of training seed and prompt
+draw). Each point is written by appending one JSON line, so an interrupted sweep keeps what it finished, and the
+point it was training resumes from its last checkpoint.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -194,10 +195,15 @@ def run(args: argparse.Namespace) -> None:
                       f"({time.perf_counter() - started:.0f} s)", file=sys.stderr)
 
 
+def _se(values: list[float]) -> float:
+    """The standard error of the mean of ``values``; 0 for one value."""
+    return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
+
+
 def _mean_se(values: list[float]) -> str:
     if len(values) < 2:
         return f"{values[0]:.3f}"
-    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values) / math.sqrt(len(values)):.3f}"
+    return f"{statistics.mean(values):.3f} ± {_se(values):.3f}"
 
 
 def _groups(rows: list[dict]) -> dict[tuple[str, float], list[dict]]:
@@ -251,23 +257,18 @@ def pairs(args: argparse.Namespace) -> None:
     print("| higher | lower | tokens | shared seeds | τ k=4 higher − lower, paired | in SE | unpaired, in SE |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for budget in sorted({b for _, b in by_seed}):
-        labels = sorted(label for label, b in by_seed if b == budget)
-        for i, a in enumerate(labels):
-            for b in labels[i + 1:]:
-                ra, rb = by_seed[a, budget], by_seed[b, budget]
-                shared = sorted(ra.keys() & rb.keys())
-                if len(shared) < 2:
-                    continue
-                diff = [ra[s]["tau_k4"] - rb[s]["tau_k4"] for s in shared]
-                hi, lo, sign = (a, b, 1) if statistics.mean(diff) >= 0 else (b, a, -1)
-                diff = [sign * d for d in diff]
-                se = statistics.stdev(diff) / math.sqrt(len(diff))
-                ta, tb = ([r["tau_k4"] for r in by_seed[label, budget].values()] for label in (hi, lo))
-                se_u = math.sqrt(sum(statistics.variance(t) / len(t) for t in (ta, tb) if len(t) > 1))
-                d_u = statistics.mean(ta) - statistics.mean(tb)
-                print(f"| {hi} | {lo} | {next(iter(ra.values()))['tokens'] / 1e6:.2f}M | {len(shared)} | "
-                      f"{statistics.mean(diff):.3f} ± {se:.3f} | {_ratio(statistics.mean(diff), se)} | "
-                      f"{d_u:.3f}, {_ratio(d_u, se_u)} |")
+        for a, b in itertools.combinations(sorted(label for label, at in by_seed if at == budget), 2):
+            shared = sorted(by_seed[a, budget].keys() & by_seed[b, budget].keys())
+            if len(shared) < 2:
+                continue
+            points = {label: by_seed[label, budget] for label in (a, b)}
+            hi, lo = (a, b) if sum(points[a][s]["tau_k4"] - points[b][s]["tau_k4"] for s in shared) >= 0 else (b, a)
+            diff = [points[hi][s]["tau_k4"] - points[lo][s]["tau_k4"] for s in shared]
+            mean, se = statistics.mean(diff), _se(diff)
+            ta, tb = ([r["tau_k4"] for r in points[label].values()] for label in (hi, lo))
+            d_u, se_u = statistics.mean(ta) - statistics.mean(tb), math.hypot(_se(ta), _se(tb))
+            print(f"| {hi} | {lo} | {points[a][shared[0]]['tokens'] / 1e6:.2f}M | {len(shared)} | "
+                  f"{mean:.3f} ± {se:.3f} | {_ratio(mean, se)} | {d_u:.3f}, {_ratio(d_u, se_u)} |")
 
 
 def _ratio(mean: float, se: float) -> str:
@@ -309,7 +310,7 @@ def plot(args: argparse.Namespace) -> None:
             if not any(ys):
                 continue
             means = [statistics.mean(y) for y in ys]
-            errs = [statistics.stdev(y) / math.sqrt(len(y)) if len(y) > 1 else 0 for y in ys]
+            errs = [_se(y) for y in ys]
             label = head + (" (k = 8)" if field == "tau_k8" else "")
             ax.errorbar(x, means, yerr=errs, marker="o", linestyle=style, color=f"C{i}", label=label, capsize=3)
     for ax, title in zip(axes, ("τ at k = 4 (dashed: k = 8)", "α₁ at k = 4", "held-out top-1, first draft step")):
