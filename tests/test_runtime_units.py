@@ -211,15 +211,18 @@ def test_the_one_call_paged_attention_equals_the_sdpa_path(heads):
 
 
 @pytest.mark.parametrize("order", [[7, 0, 12, 3, 0, 30], [0, 7, 12, 0, 3, 30]])
-def test_a_wide_steps_cached_sequences_attend_in_one_kernel_call_as_sdpa_does(order):
+@pytest.mark.parametrize("heads", [(4, 2, 16), (12, 1, 16), (4, 2, 24)])
+def test_a_wide_steps_cached_sequences_attend_in_one_kernel_call_as_sdpa_does(order, heads):
     """A step of many rows on CPU attends its sequences with cached keys in one call of the paged kernel
     (``attend_paged``) and its fresh prefills by SDPA: the same output as every sequence by SDPA (``stored_layout``),
     whether the cached ones are neighbours in the batch or not; a mutant that skips the kernel's part leaves rows
-    unwritten and fails."""
+    unwritten and fails. The kernel's AVX-512 path takes a head dimension that is a multiple of 16 (the first two
+    cases; the second's 12 query heads per key-value head split into work items of 8 and 4) and its portable path
+    the rest (24)."""
     from mtp_train.models.parts import stored_layout
     from mtp_train.runtime.attention import TorchAttention
 
-    n_heads, n_kv, dim = 4, 2, 16
+    n_heads, n_kv, dim = heads
     g = torch.Generator().manual_seed(1)
     meta = _step(order, [1, 5, 3, 40, 2, 1], pages=64)
     rows = meta.tokens.numel()

@@ -201,6 +201,7 @@ def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: tor
            pages: torch.Tensor, n_heads: int, n_kv_heads: int, scale: float) -> torch.Tensor:
     """One layer's attention of a decode or verify step (``paged_attention.cpp`` gives the shapes): ``qkv [T, (Hq +
     2 Hkv) D]`` float32 -> ``[T, Hq D]``, the rotated keys and the values stored at ``slots`` on the way."""
+    kernel()  # loads the library on first use
     return torch.ops.mtp_paged_attention.attend(qkv, cos, sin, k_cache, v_cache, slots, q_start, kv_lens, page_start,
                                                 pages, n_heads, n_kv_heads, scale)
 
@@ -209,6 +210,7 @@ def attend_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  kv_lens: torch.Tensor, page_start: torch.Tensor, pages: torch.Tensor, scale: float) -> torch.Tensor:
     """``attend``'s softmax over the pages for queries ``q [T, Hq, D]`` float32 already rotated, whose keys and values
     are already in the cache -> ``[T, Hq D]``."""
+    kernel()
     return torch.ops.mtp_paged_attention.attend_paged(q.contiguous(), k_cache, v_cache, q_start, kv_lens, page_start,
                                                       pages, scale)
 
