@@ -49,7 +49,12 @@ def objective(head: DraftHead, frozen: FrozenTarget, batch: Batch, weights: Loss
     forward)."""
     loss = {"eagle3": parallel_loss if head.spec.parallel_drafts else ttt_loss, "dflash": block_loss}.get(
         head.spec.kind, head_loss)
-    return loss(head, frozen, batch, weights, forward)
+    value, metrics = loss(head, frozen, batch, weights, forward)
+    if torch.is_grad_enabled() and not value.requires_grad:
+        # No position of the batch is trained (a conversation cut off before its answer, alone in its batch): a zero
+        # that reaches every trainable weight, so that backward (and DDP's all-reduce) runs with zero gradients.
+        value = sum(p.sum() for p in head.parameters() if p.requires_grad) * 0.0
+    return value, metrics
 
 
 @torch.no_grad()
