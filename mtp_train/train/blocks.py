@@ -135,9 +135,12 @@ def block_loss(head: DFlashHead, frozen: FrozenTarget, batch: Batch, weights: Lo
     size, device, n = head.spec.block_size, batch.tokens.device, batch.num_tokens
     cu = batch.cu_seqlens
     picks = _anchors(batch, weights.anchors)
+    if not any(p.numel() for p in picks):
+        # No position is trained: the first document's last row anchors a block whose every position falls past
+        # the document, so the head still runs its forward through ``forward`` (DDP prepares its all-reduce there,
+        # which every rank must join) and the loss reaches it as zero.
+        picks[0] = torch.tensor([cu[1] - cu[0] - 1], device=device)
     counts = [p.numel() for p in picks]
-    if sum(counts) == 0:
-        return batch.hidden.new_zeros(()), [StepMetrics(batch.hidden.new_zeros(()), 0, 0)] * (size - 1)
     counts_t = torch.tensor(counts, device=device)
     starts, ends = (torch.tensor(x, device=device).repeat_interleave(counts_t) for x in (cu[:-1], cu[1:]))
     local = torch.cat(picks)  # [A]

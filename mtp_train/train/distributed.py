@@ -58,11 +58,15 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
     where fp32 remains on CUDA)."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
-    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+    from accelerate.utils import DeepSpeedPlugin, DistributedDataParallelKwargs, InitProcessGroupKwargs
 
     if torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    kwargs: dict[str, Any] = {"mixed_precision": train_precision(recipe)}
+    # A head's buffers (rotary tables, the draft vocabulary) are constants, synced once when DDP wraps it. Broadcast
+    # at every forward, as DDP does by default, they would be a collective per forward, and a rank whose batch runs
+    # fewer (no document long enough for every unrolled step) would leave the ranks' collectives unmatched.
+    kwargs: dict[str, Any] = {"mixed_precision": train_precision(recipe),
+                              "kwargs_handlers": [DistributedDataParallelKwargs(broadcast_buffers=False)]}
     if recipe.train.engine == "deepspeed":
         for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                            "MASTER_PORT": "29511"}.items():
@@ -84,7 +88,7 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
             # silences that, and only here: without CUDA, under DDP, where DeepSpeed does no work.
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # gloo, since NCCL needs CUDA
-            kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
+            kwargs["kwargs_handlers"].append(InitProcessGroupKwargs(backend="gloo"))
             settle_gloo_at_exit()
     # A second head trained in this process (``eval.compare``) gets its own plugin and precision: accelerate keeps
     # one state per process and refuses a second DeepSpeed plugin. The process group (PartialState) stays.

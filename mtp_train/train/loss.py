@@ -168,7 +168,7 @@ def head_loss(
     device = batch.tokens.device
     for j in range(weights.unroll):
         rows, step_cu = _step_index(batch.cu_seqlens, j, device)
-        if rows.numel() == 0:
+        if j and rows.numel() == 0:  # (step 0 runs even then: DDP prepares its all-reduce in the forward)
             break
         counts = [b - a for a, b in zip(step_cu[:-1], step_cu[1:])]
         if j == 0:

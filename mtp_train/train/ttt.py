@@ -120,7 +120,7 @@ def ttt_loss(head: Eagle3Head, frozen: FrozenTarget, batch: Batch, weights: Loss
     for j in range(weights.unroll):
         label = rows + 2 + j
         valid = label < ends
-        if not bool(valid.any()):
+        if j and not bool(valid.any()):  # (step 0 runs even then: DDP prepares its all-reduce in the forward)
             break
         token = torch.minimum(rows + 1 + j, ends - 1)  # past a document's end: its last token, never counted
         out = forward(frozen.embed(batch.tokens[token]), hidden, positions + j, plan, aux)
