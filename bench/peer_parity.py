@@ -1,9 +1,9 @@
 """SpecForge side by side with this trainer at equal data: EAGLE-3 heads for SmolLM2, served by vLLM's CPU build.
 
     make smollm2 vllm peers         # once: the target, vLLM (.venv-vllm) and SpecForge (.venv-peers)
-    .venv/bin/python bench/peer_parity.py [--rows 80] [--steps 30] [--scales 1 4] [--data sgd dolly]
+    .venv/bin/python bench/peer_parity.py [--rows 80] [--steps 30] [--scales 1 4] [--data sgd dolly] [--seeds 0 1 2]
 
-For each data set and scale (``--rows`` × scale conversations, ``--steps`` × scale steps):
+For each data set, scale (``--rows`` × scale conversations, ``--steps`` × scale steps) and training seed:
 
 1. **The conversations.** ``dolly``: the recipe's data (recipes/smollm2.yaml), Dolly prompts answered by SmolLM2
    itself (greedy, at most 96 tokens; regenerated once, ``--regen-rows`` rows; each cell takes its first rows).
@@ -11,17 +11,20 @@ For each data set and scale (``--rows`` × scale conversations, ``--steps`` × s
 2. **This trainer.** recipes/smollm2.yaml with ``head.kind=eagle3`` on those conversations: precompute, train,
    ``export --format vllm``. Its tokens/s is Σ tokens / Σ step_s of the train log (the optimizer steps only).
 3. **SpecForge** (bench/peers/specforge_run.py in .venv-peers) on exactly the token ids and loss masks our
-   precompute stored, with our draft vocabulary (d2t/t2d), the same max length, TTT length (our unroll), lr and
-   warm-up, and as many rows per step as fill our ``train.batch_tokens`` on average, for as many steps as make the
-   same tokens.
+   precompute stored, with our draft vocabulary (d2t/t2d), the same max length, TTT length (our unroll), lr,
+   warm-up and seed, for as many optimizer steps as ours took, each of as many rows as carry our mean tokens per
+   step.
 4. **Scoring.** Both exported heads are served by vLLM (bench/vllm_serve.py, in .venv-vllm) on the same prompts:
    the held-out set of the data (Dolly rows no scale trains on; SGD's dev split), Spec-Bench and MT-bench first
    turns (``--prompts`` each, category-stratified), greedy, ``--new-tokens`` tokens, at k = 1..4. Lossless: every
    speculative output equals vLLM's plain output.
 
-Everything lands in ``--work`` (default runs/peers) and a rerun keeps what is complete. Prints two Markdown
-tables (acceptance; tokens/s and bytes per token), the goals at k = 3 and the differences between the two runs
-that cannot be removed; ``WORK/peer_parity.json`` holds the numbers.
+Everything lands in ``--work`` (default runs/peers). A rerun starts from scratch: regeneration, both trainers and
+every vLLM run. With ``--reuse`` it keeps a run whose key still matches: the sha256 of its conversations, both
+sides' settings, the seed, the target's weights and the code of this benchmark and of mtp_train (``key.json`` in
+the run's directory); vLLM's results are keyed by the served head's sha256. Prints two Markdown tables (acceptance
+per run; tokens/s and bytes per token), the goals at k = 3 pooled over cells and seeds, and the differences between
+the two trainers that cannot be removed; ``WORK/peer_parity.json`` holds the numbers.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -52,6 +56,8 @@ RECIPE = REPO / "recipes" / "smollm2.yaml"
 SGD = REPO / "data" / "sgd" / "sgd_train_sharegpt.jsonl.gz"
 DOLLY = REPO / "data" / "general" / "prompts.jsonl.gz"
 MTP_TRAIN = [sys.executable, "-m", "mtp_train.cli"]
+CODE = ["mtp_train", "bench/peers", "bench/peer_parity.py", "bench/peer_table.py", "bench/vllm_serve.py",
+        "bench/vllm_check.py"]  # what a run's results depend on, besides its data, settings and target
 DIFFERENCES = [
     "loss mask: SpecForge gates the prediction of t+2 on the mask at t (ours: on the mask of the predicted token; "
     "`train.mask_gate: input` trains ours as SpecForge does, bench/peer_ablation.py measures it)",
@@ -90,6 +96,45 @@ def run(cmd: list[str], log: Path, env: dict | None = None) -> None:
         sys.exit(f"peer_parity: {' '.join(map(str, cmd[:4]))} ... failed (exit {proc.returncode}); see {log}")
 
 
+def sha256_of(path: Path) -> str:
+    """The sha256 of a file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def code_digest(paths: list[str] = CODE) -> str:
+    """One sha256 over every file under ``paths`` (relative to the repository; caches left out), names included."""
+    digest = hashlib.sha256()
+    for top in paths:
+        files = [REPO / top] if (REPO / top).is_file() else sorted((REPO / top).rglob("*"))
+        for f in files:
+            if f.is_file() and "__pycache__" not in f.parts:
+                digest.update(f"{f.relative_to(REPO)}\0{sha256_of(f)}\0".encode())
+    return digest.hexdigest()
+
+
+def dir_digest(directory: Path) -> str:
+    """One sha256 over a directory's files, names included (a target's config, tokenizer and weights; a head)."""
+    return hashlib.sha256("".join(f"{f.name}:{sha256_of(f)};" for f in sorted(directory.iterdir())
+                                  if f.is_file()).encode()).hexdigest()
+
+
+def fresh(directory: Path, key: dict, reuse: bool) -> bool:
+    """Make ``directory`` the place of a run whose results depend on ``key``: kept as it is when ``reuse`` is asked
+    and its ``key.json`` equals ``key``, else emptied and given ``key.json``. True when it was emptied."""
+    stored = directory / "key.json"
+    if reuse and stored.is_file() and json.loads(stored.read_text()) == json.loads(json.dumps(key)):
+        return False
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    (directory / "key.tmp").write_text(json.dumps(key, indent=1))
+    os.replace(directory / "key.tmp", stored)
+    return True
+
+
 def base_recipe() -> dict:
     """recipes/smollm2.yaml as a dict, its target path made absolute and its warm-up the one the table ran with."""
     recipe = yaml.safe_load(RECIPE.read_text())
@@ -98,10 +143,11 @@ def base_recipe() -> dict:
     return recipe
 
 
-def our_recipe(cell: Path, steps: int, overrides: list[str] | None = None) -> Path:
+def our_recipe(cell: Path, steps: int, overrides: list[str] | None = None, seed: int | None = None) -> Path:
     """recipes/smollm2.yaml with an eagle3 head on the cell's conversations as written, no held-out rows; then
-    ``overrides`` as the CLI takes them (``["train.mask_gate=input"]``)."""
+    ``overrides`` as the CLI takes them (``["train.mask_gate=input"]``); ``seed`` replaces the recipe's."""
     recipe = base_recipe()
+    recipe["seed"] = recipe["seed"] if seed is None else seed
     recipe["output_dir"] = str(cell / "ours")
     recipe["data"].update(train=str(cell / "conversations.jsonl"), format="openai", max_rows=None, heldout_rows=0,
                           regenerate=False)
@@ -114,9 +160,9 @@ def our_recipe(cell: Path, steps: int, overrides: list[str] | None = None) -> Pa
     return path
 
 
-def train_ours(cell: Path, steps: int, overrides: list[str] | None = None) -> dict:
+def train_ours(cell: Path, steps: int, overrides: list[str] | None = None, seed: int | None = None) -> dict:
     """Precompute, train and export our head; its cost (steps, tokens, tokens/s, bytes per token)."""
-    recipe = our_recipe(cell, steps, overrides)
+    recipe = our_recipe(cell, steps, overrides, seed)
     for stage in ("precompute", "train"):
         run([*MTP_TRAIN, stage, str(recipe)], cell / "ours.log")
     if not (cell / "ours-vllm" / "config.json").is_file():
@@ -149,16 +195,17 @@ def peer_inputs(cell: Path) -> tuple[Path, Path, float]:
     return tokens, vocab, sum(lengths) / len(lengths)
 
 
-def train_specforge(cell: Path, ours: dict, recipe: dict, threads: int) -> dict:
-    """SpecForge on our tokens and vocabulary, as many tokens as ours trained; its result.json."""
+def train_specforge(cell: Path, ours: dict, recipe: dict, threads: int, seed: int | None = None) -> dict:
+    """SpecForge on our tokens and vocabulary, as many optimizer steps as ours took and as many rows per step as
+    carry our mean tokens per step; its result.json."""
     out = cell / "specforge"
     tokens, vocab, mean_len = peer_inputs(cell)
     t = recipe["train"]
-    batch = max(1, round(t["batch_tokens"] / mean_len))
+    batch = max(1, round(ours["tokens_trained"] / (ours["steps"] * mean_len)))
     job = {"target": recipe["target"]["path"], "tokens": str(tokens), "vocab": str(vocab),
            "max_length": recipe["data"]["max_length"], "ttt_length": t["unroll"], "lr": t["lr"],
-           "warmup_steps": t["warmup_steps"], "total_steps": max(1, round(ours["tokens_trained"] / (batch * mean_len))),
-           "batch_size": batch, "seed": recipe["seed"], "threads": threads, "out": str(out),
+           "warmup_steps": t["warmup_steps"], "total_steps": ours["steps"], "batch_size": batch,
+           "seed": recipe["seed"] if seed is None else seed, "threads": threads, "out": str(out),
            "tokens_sha256": hashlib.sha256(tokens.read_bytes()).hexdigest()}  # the same paths may hold new rows
     done = out / "result.json"
     if not done.is_file() or json.loads(done.read_text())["job"] != job:
@@ -193,7 +240,8 @@ def scoring_job(recipe: dict, sets: dict[str, list[list[int]]], new_tokens: int,
 
 
 def served(job: dict, work: Path, name: str) -> dict:
-    """One vLLM run (bench/vllm_serve.py), kept in ``work`` for reruns of the same job (head, k, prompts)."""
+    """One vLLM run (bench/vllm_serve.py), kept in ``work`` for reruns of the same job (the head's content, k,
+    prompts)."""
     done, asked = work / f"{name}.out.json", work / f"{name}.json"
     if done.is_file() and asked.is_file() and json.loads(asked.read_text()) == json.loads(json.dumps(job)):
         return json.loads(done.read_text())
@@ -208,7 +256,8 @@ def score(cell: Path, job: dict, plain: dict, ks: list[int]) -> dict:
     for trainer, head in heads.items():
         out[trainer] = {}
         for k in ks:
-            result = served({**job, "head": str(head), "k": k, "method": "eagle3"}, cell, f"vllm-{trainer}-k{k}")
+            result = served({**job, "head": str(head), "head_sha256": dir_digest(head),
+                             "k": k, "method": "eagle3"}, cell, f"vllm-{trainer}-k{k}")
             out[trainer][k] = {name: {"counts": r["counts"], "lossless": r["tokens"] == plain["sets"][name]["tokens"]}
                                for name, r in result["sets"].items()}
     return out
@@ -227,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=REPO / "runs" / "peers")
     parser.add_argument("--regen-rows", type=int, default=1280, help="Dolly rows regenerated once (at least rows × "
                         "the largest scale); the held-out prompts come after them")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="training seeds, both trainers")
+    parser.add_argument("--reuse", action="store_true", help="keep runs whose key matches (default: from scratch)")
     args = parser.parse_args(argv)
     print(machine_line(), flush=True)
     for python, make in ((VLLM_PYTHON, "vllm"), (PEERS_PYTHON, "peers")):
@@ -236,23 +287,30 @@ def main(argv: list[str] | None = None) -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     recipe = base_recipe()
     regen_rows = max(args.regen_rows, args.rows * max(args.scales))
+    shared = {"recipe": recipe, "target": dir_digest(Path(recipe["target"]["path"])), "code": code_digest(),
+              "regen_rows": regen_rows, "threads": args.threads}
+    fresh(args.work / "regen", shared, args.reuse)
     cells, scores = {}, {}
     for data in args.data:
         sets = prompt_sets(data, args.prompts, regen_rows)
         job = scoring_job(recipe, sets, args.new_tokens, max(args.k))
-        plain = served({**job, "head": None}, args.work, f"vllm-{data}-plain")
+        plain_dir = args.work / f"plain-{data}"
+        fresh(plain_dir, {**shared, "job": job}, args.reuse)
+        plain = served({**job, "head": None}, plain_dir, "vllm-plain")
         for scale in args.scales:
-            name = f"{data} × {scale}"
-            cell = args.work / f"{data}-{scale}x"
-            cell.mkdir(exist_ok=True)
-            convs = cell / "conversations.jsonl"
             text = "".join(json.dumps(c) + "\n" for c in conversations(data, args.rows * scale, args.work, regen_rows))
-            if not convs.is_file() or convs.read_text() != text:  # kept as it is, so ours stays complete
-                convs.write_text(text)
-            ours = train_ours(cell, args.steps * scale)
-            theirs = train_specforge(cell, ours, recipe, args.threads)
-            cells[name] = {"ours": ours, "specforge": theirs}
-            scores[name] = score(cell, job, plain, args.k)
+            for seed in args.seeds:
+                name = f"{data} × {scale}, seed {seed}"
+                cell = args.work / f"{data}-{scale}x-s{seed}"
+                key = {**shared, "conversations": hashlib.sha256(text.encode()).hexdigest(), "seed": seed,
+                       "steps": args.steps * scale, "scoring": job, "k": args.k}
+                fresh(cell, key, args.reuse)
+                (cell / "conversations.jsonl").write_text(text)
+                ours = train_ours(cell, args.steps * scale, seed=seed)
+                theirs = train_specforge(cell, ours, recipe, args.threads, seed)
+                cells[name] = {"ours": ours, "specforge": theirs}
+                scores[name] = score(cell, job, plain, args.k)
+                print(f"peer_parity: {name} done", flush=True)
     report(cells, scores, args)
     return 0
 
@@ -265,10 +323,9 @@ def report(cells: dict, scores: dict, args: argparse.Namespace) -> None:
     print()
     print("\n".join(cost_rows(cells)))
     goal_k = 3 if 3 in args.k else max(args.k)
-    print(f"\nGoals at k = {goal_k} (ours at least SpecForge's within one standard error):")
-    for name, s in scores.items():
-        for line, ok in goal_rows(name, s, goal_k):
-            print(f"- {'met' if ok else 'MISSED'}: {line}")
+    print(f"\nGoals at k = {goal_k}, pooled over cells and seeds (ahead: by more than 2 standard errors):")
+    for line, said in goal_rows(scores, goal_k):
+        print(f"- {said}: {line}")
     for name, c in cells.items():
         for what, better in (("tokens/s", c["ours"]["tokens_per_s"] >= c["specforge"]["tokens_per_s"]),
                              ("bytes/token", c["ours"]["bytes_per_token"] <= c["specforge"]["bytes_per_token"])):

@@ -8,8 +8,9 @@ the drafts whose first i tokens were all accepted):
 - the accepted length of one draft is L with P(L ≥ i) = a_i / D, so E[L²] = Σ (2i − 1) a_i / D and
   SE(MAL) = sqrt((E[L²] − E[L]²) / D); SE(α_1) = sqrt(α_1 (1 − α_1) / D).
 
-These treat drafts as independent, which drafts of one answer are not, so the errors are lower bounds. "At least
-SpecForge's" is read as ours ≥ theirs − sqrt(SE_ours² + SE_theirs²).
+These treat drafts as independent, which drafts of one answer are not, so the errors are lower bounds. The goal
+compares the two trainers by paired differences instead: ours minus the peer's per cell and seed (each side's
+counters pooled over the prompt sets), whose standard error over the runs holds the seeds' spread.
 """
 
 from __future__ import annotations
@@ -51,9 +52,30 @@ def from_counts(counts: dict) -> Acceptance:
     return Acceptance(counts["drafts"], tuple(counts["accepted_per_position"]))
 
 
-def at_least(ours: float, theirs: float, se_ours: float, se_theirs: float) -> bool:
-    """Ours at least theirs, within one standard error of the difference."""
-    return ours >= theirs - math.hypot(se_ours, se_theirs)
+def pooled(counts: list[dict]) -> Acceptance:
+    """One head's counters summed over prompt sets (drafts and per-position acceptances add)."""
+    accepted = [c["accepted_per_position"] for c in counts]
+    return Acceptance(sum(c["drafts"] for c in counts), tuple(map(sum, zip(*accepted))))
+
+
+def paired_differences(scores: dict, k: int, peer: str) -> dict[str, list[float]]:
+    """``{"alpha1": [...], "mal": [...]}``: ours minus ``peer`` per run (a cell at one seed), each side's counters
+    pooled over the run's prompt sets. ``scores[run][trainer][k][set]`` as :func:`acceptance_rows` reads them."""
+    out: dict[str, list[float]] = {"alpha1": [], "mal": []}
+    for s in scores.values():
+        a, b = (pooled([r["counts"] for r in s[t][k].values()]) for t in ("ours", peer))
+        out["alpha1"].append(a.alphas[0] - b.alphas[0])
+        out["mal"].append(a.mal - b.mal)
+    return out
+
+
+def verdict(differences: list[float]) -> tuple[float, float, str]:
+    """Mean and standard error of paired differences (one per cell and seed, so the error holds the seeds' spread as
+    well as the prompts'), and "ahead" or "behind" beyond 2 standard errors, else "level"."""
+    n = len(differences)
+    mean = sum(differences) / n
+    se = math.sqrt(sum((d - mean) ** 2 for d in differences) / (n - 1) / n) if n > 1 else math.inf
+    return mean, se, "ahead" if mean > 2 * se else "behind" if mean < -2 * se else "level"
 
 
 def acceptance_rows(cell: str, scores: dict, ks: list[int]) -> list[str]:
@@ -77,15 +99,14 @@ ACCEPTANCE_HEADER = ("| data × scale | prompts | k | ours α_1..α_k | SpecForg
                      "|---|---|---:|---|---|---:|---:|---:|---|")
 
 
-def goal_rows(cell: str, scores: dict, k: int) -> list[tuple[str, bool]]:
-    """The goal at ``k``: on every prompt set, our α_1 and MAL at least SpecForge's within one SE."""
+def goal_rows(scores: dict, k: int, peer: str = "specforge") -> list[tuple[str, str]]:
+    """The goal at ``k``, pooled over cells and seeds: ours ahead of ``peer`` by more than 2 standard errors in α_1 and
+    in MAL. Returns ``(line, verdict)`` per measure."""
     out = []
-    for name in scores["ours"][k]:
-        a, b = (from_counts(scores[t][k][name]["counts"]) for t in ("ours", "specforge"))
-        ok_alpha = at_least(a.alphas[0], b.alphas[0], a.se_alpha1, b.se_alpha1)
-        ok_mal = at_least(a.mal, b.mal, a.se_mal, b.se_mal)
-        out.append((f"{cell}, {name}, k={k}: α_1 {a.alphas[0]:.3f} vs {b.alphas[0]:.3f}, MAL {a.mal:.3f} vs "
-                    f"{b.mal:.3f}", ok_alpha and ok_mal))
+    for measure, diffs in paired_differences(scores, k, peer).items():
+        mean, se, said = verdict(diffs)
+        out.append((f"{measure} at k = {k}, ours − {peer} over {len(diffs)} runs (cells × seeds): "
+                    f"{mean:+.4f} ± {se:.4f}", said))
     return out
 
 

@@ -1,0 +1,61 @@
+"""bench/peer_parity.py: a rerun starts from scratch unless told to reuse, and reuses only a run whose key still
+matches; the goal is read from paired differences per cell and seed, whose standard error holds the seeds' spread."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+
+import peer_parity as pp  # noqa: E402
+from peer_table import goal_rows, paired_differences, pooled, verdict  # noqa: E402
+
+
+def test_a_run_is_kept_only_when_reuse_is_asked_and_its_key_matches(tmp_path: Path) -> None:
+    run = tmp_path / "sgd-1x-s0"
+    key = {"conversations": "ab", "seed": 0, "code": "c1"}
+    assert pp.fresh(run, key, reuse=True)  # nothing there yet
+    (run / "ours").mkdir()
+    assert not pp.fresh(run, dict(key), reuse=True) and (run / "ours").is_dir()
+    assert pp.fresh(run, key, reuse=False) and not (run / "ours").exists()  # the default: from scratch
+    (run / "ours").mkdir()
+    assert pp.fresh(run, {**key, "code": "c2"}, reuse=True) and not (run / "ours").exists()  # changed code
+    assert sorted(p.name for p in run.iterdir()) == ["key.json"]
+
+
+def test_a_directory_digest_follows_every_file_it_holds(tmp_path: Path) -> None:
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    (tmp_path / "config.json").write_text("{}")
+    before = pp.dir_digest(tmp_path)
+    assert pp.dir_digest(tmp_path) == before
+    (tmp_path / "model.safetensors").write_bytes(b"weightz")  # a new head at the same path
+    assert pp.dir_digest(tmp_path) != before
+
+
+def _counts(drafts: int, accepted: list[int]) -> dict:
+    return {"counts": {"drafts": drafts, "accepted_per_position": accepted}, "lossless": True}
+
+
+def test_counters_pool_over_prompt_sets_and_runs_pair_by_cell_and_seed() -> None:
+    assert pooled([{"drafts": 10, "accepted_per_position": [5, 2]},
+                   {"drafts": 30, "accepted_per_position": [15, 6]}]).alphas == [0.5, 0.2]
+    scores = {
+        f"sgd × 1, seed {s}": {
+            "ours": {3: {"heldout": _counts(100, [50 + s, 20, 10]), "mt_bench": _counts(100, [40, 10, 5])}},
+            "specforge": {3: {"heldout": _counts(100, [40, 20, 10]), "mt_bench": _counts(100, [40, 10, 5 + s])}},
+        } for s in range(3)}
+    diffs = paired_differences(scores, 3, "specforge")
+    assert [round(d, 6) for d in diffs["alpha1"]] == [0.05, 0.055, 0.06]
+    assert [round(d, 6) for d in diffs["mal"]] == [0.05, 0.05, 0.05]
+    said = dict((line.split(" at")[0], v) for line, v in goal_rows(scores, 3))
+    assert said == {"alpha1": "ahead", "mal": "ahead"}
+
+
+def test_the_verdict_is_level_within_two_standard_errors() -> None:
+    mean, se, said = verdict([0.02, -0.01, 0.03, 0.0])
+    assert math.isclose(mean, 0.01) and math.isclose(se, math.sqrt(0.001 / 3) / 2) and said == "level"
+    assert verdict([-0.05, -0.04, -0.06])[2] == "behind"
+    assert verdict([0.1])[1] == math.inf and verdict([0.1])[2] == "level"  # one run: no error, no claim
