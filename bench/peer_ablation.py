@@ -13,7 +13,6 @@ trains both sides at every seed of ``--seeds``.)
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 from pathlib import Path
@@ -41,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", choices=("dolly", "sgd"), default="sgd")
     parser.add_argument("--scale", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0, help="the cell's training seed")
+    parser.add_argument("--setting", choices=("defaults", "matched"), default="defaults",
+                        help="the row of peer_parity whose SpecForge head stands beside")
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--max-k", type=int, default=4, help="peer_parity's largest k (it sizes vLLM's context)")
     parser.add_argument("--rows", type=int, default=80)
@@ -53,26 +54,26 @@ def main(argv: list[str] | None = None) -> int:
     print(machine_line(), flush=True)
     work = args.work.resolve()
     cell = work / f"{args.data}-{args.scale}x-s{args.seed}"
-    if not (cell / "ours-vllm").is_dir() or not (cell / "specforge" / "vllm").is_dir():
-        sys.exit(f"peer_ablation: {cell} has no pair of heads; run bench/peer_parity.py first")
-    heads = {("ours", "recipe"): cell / "ours-vllm",
-             ("specforge", "the cell's settings"): cell / "specforge" / "vllm"}
+    peer = cell / f"specforge-{args.setting}" / "vllm"
+    if not (cell / "ours-vllm").is_dir() or not peer.is_dir():
+        sys.exit(f"peer_ablation: {cell} has no pair of heads; run bench/peer_parity.py --settings {args.setting} "
+                 "first")
     gated = variant_cell(work, cell, "ours-gate-input")
     pp.train_ours(gated, args.steps * args.scale, ["train.mask_gate=input"], seed=args.seed)
-    heads[("ours", "mask_gate input")] = gated / "ours-vllm"
 
     recipe = pp.base_recipe()
     sets = pp.prompt_sets(args.data, args.prompts, max(args.regen_rows, args.rows * args.scale))
     job = pp.scoring_job(recipe, sets, args.new_tokens, args.max_k)  # as peer_parity's, so its runs are reused
     plain = pp.served({**job, "head": None}, work / f"plain-{args.data}", "vllm-plain")
+    # the cell's two heads as peer_parity scored them (its vLLM runs are reused), then the variant
+    pair = pp.score(cell, job, plain, [args.k], {"ours": cell / "ours-vllm", "specforge": peer})
+    gated_head = pp.score(gated, job, plain, [args.k], {"ours": gated / "ours-vllm"})["ours"]
+    scored = {("ours", "recipe"): pair["ours"], ("specforge", args.setting): pair["specforge"],
+              ("ours", "mask_gate input"): gated_head}
     results: dict = {}
-    for (trainer, variant), head in heads.items():
-        where = gated if head == gated / "ours-vllm" else cell
-        result = pp.served({**job, "head": str(head), "head_sha256": pp.dir_digest(head), "k": args.k,
-                            "method": "eagle3"}, where, f"vllm-{trainer}-k{args.k}")
-        for name, r in result["sets"].items():
-            lossless = r["tokens"] == plain["sets"][name]["tokens"]
-            results.setdefault(name, {})[(trainer, variant)] = (from_counts(r["counts"]), lossless)
+    for which, by_k in scored.items():
+        for name, r in by_k[args.k].items():
+            results.setdefault(name, {})[which] = (from_counts(r["counts"]), r["lossless"])
     report(results, args, cell.name)
     return 0
 

@@ -11,9 +11,10 @@ For each data set, scale (``--rows`` × scale conversations, ``--steps`` × scal
 2. **This trainer.** recipes/smollm2.yaml with ``head.kind=eagle3`` on those conversations: precompute, train,
    ``export --format vllm``. Its tokens/s is Σ tokens / Σ step_s of the train log (the optimizer steps only).
 3. **SpecForge** (bench/peers/specforge_run.py in .venv-peers) on exactly the token ids and loss masks our
-   precompute stored, with our draft vocabulary (d2t/t2d), the same max length, TTT length (our unroll), lr,
-   warm-up and seed, for as many optimizer steps as ours took, each of as many rows as carry our mean tokens per
-   step.
+   precompute stored, the same max length and seed, for as many optimizer steps as ours took, each of as many rows
+   as carry our mean tokens per step, one loader thread on both sides. Its lr, TTT length, warm-up and draft
+   vocabulary are the row's (``--settings``): ``defaults``, each trainer at its own (SpecForge's: lr 1e-4, TTT 7,
+   warm-up ratio 0.015, a 32k draft vocabulary of its own); ``matched``, SpecForge at ours (our draft vocabulary).
 4. **Scoring.** Both exported heads are served by vLLM (bench/vllm_serve.py, in .venv-vllm) on the same prompts:
    the held-out set of the data (Dolly rows no scale trains on; SGD's dev split), Spec-Bench and MT-bench first
    turns (``--prompts`` each, category-stratified), greedy, ``--new-tokens`` tokens, at k = 1..4. Lossless: every
@@ -58,6 +59,12 @@ DOLLY = REPO / "data" / "general" / "prompts.jsonl.gz"
 MTP_TRAIN = [sys.executable, "-m", "mtp_train.cli"]
 CODE = ["mtp_train", "bench/peers", "bench/peer_parity.py", "bench/peer_table.py", "bench/vllm_serve.py",
         "bench/vllm_check.py"]  # what a run's results depend on, besides its data, settings and target
+WORKERS = 1  # loader threads, both sides: ours prefetches its batches on one thread
+# SpecForge 0.2.0's own defaults (its config schema and every EAGLE-3 example; gradient clipping 0.5, AdamW betas
+# (0.9, 0.999) and the cosine to 0 are fixed in its code): lr, TTT length, warm-up ratio and a 32k draft vocabulary
+# of its own, from the trained ids.
+SPECFORGE = {"lr": 1e-4, "ttt_length": 7, "warmup_ratio": 0.015, "vocab": None, "draft_vocab": 32000,
+             "workers": WORKERS}
 DIFFERENCES = [
     "loss mask: SpecForge gates the prediction of t+2 on the mask at t (ours: on the mask of the predicted token; "
     "`train.mask_gate: input` trains ours as SpecForge does, bench/peer_ablation.py measures it)",
@@ -143,76 +150,94 @@ def base_recipe() -> dict:
     return recipe
 
 
-def our_recipe(cell: Path, steps: int, overrides: list[str] | None = None, seed: int | None = None) -> Path:
-    """recipes/smollm2.yaml with an eagle3 head on the cell's conversations as written, no held-out rows; then
-    ``overrides`` as the CLI takes them (``["train.mask_gate=input"]``); ``seed`` replaces the recipe's."""
+def settings_rows(recipe: dict) -> dict[str, tuple[list[str], dict]]:
+    """The comparison's rows: per name, our recipe's overrides and SpecForge's settings. ``defaults``: each trainer
+    at its own; ``matched``: SpecForge at our lr, TTT length, warm-up and draft vocabulary."""
+    t = recipe["train"]
+    return {"defaults": ([], SPECFORGE),
+            "matched": ([], {"lr": t["lr"], "ttt_length": t["unroll"], "warmup_steps": t["warmup_steps"],
+                             "vocab": "ours", "workers": WORKERS})}
+
+
+def ours_name(overrides: list[str]) -> str:
+    """Our run's directory in a cell: ``ours`` for the recipe as it is, else named by its overrides' hash."""
+    return "ours-" + hashlib.sha256("\n".join(overrides).encode()).hexdigest()[:8] if overrides else "ours"
+
+
+def our_recipe(cell: Path, steps: int, overrides: list[str] | None = None, seed: int | None = None,
+               name: str = "ours") -> Path:
+    """recipes/smollm2.yaml with an eagle3 head on the cell's conversations as written, no held-out rows, into
+    ``CELL/NAME``; then ``overrides`` as the CLI takes them (``["train.mask_gate=input"]``); ``seed`` replaces the
+    recipe's."""
     recipe = base_recipe()
     recipe["seed"] = recipe["seed"] if seed is None else seed
-    recipe["output_dir"] = str(cell / "ours")
+    recipe["output_dir"] = str(cell / name)
     recipe["data"].update(train=str(cell / "conversations.jsonl"), format="openai", max_rows=None, heldout_rows=0,
                           regenerate=False)
     recipe["head"]["kind"] = "eagle3"
     recipe["eval"]["compare"] = []  # train no baseline heads beside it
     recipe["train"].update(max_steps=steps, val_every=10**6, save_every=10**6, wandb_mode="disabled")
     recipe = apply_overrides(recipe, overrides or [])
-    path = cell / "recipe.yaml"
+    path = cell / f"{name}.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     return path
 
 
-def train_ours(cell: Path, steps: int, overrides: list[str] | None = None, seed: int | None = None) -> dict:
-    """Precompute, train and export our head; its cost (steps, tokens, tokens/s, bytes per token)."""
-    recipe = our_recipe(cell, steps, overrides, seed)
+def train_ours(cell: Path, steps: int, overrides: list[str] | None = None, seed: int | None = None,
+               name: str = "ours") -> dict:
+    """Precompute, train and export our head into ``CELL/NAME`` and ``CELL/NAME-vllm``; its cost (steps, tokens,
+    tokens/s, bytes per token)."""
+    recipe, log, head = our_recipe(cell, steps, overrides, seed, name), cell / f"{name}.log", cell / f"{name}-vllm"
     for stage in ("precompute", "train"):
-        run([*MTP_TRAIN, stage, str(recipe)], cell / "ours.log")
-    if not (cell / "ours-vllm" / "config.json").is_file():
-        run([*MTP_TRAIN, "export", str(recipe), "--format", "vllm", "--out", str(cell / "ours-vllm")], cell / "ours.log")
-    records = [json.loads(line) for line in (cell / "ours" / "train_log.eagle3.jsonl").read_text().splitlines()]
-    features = cell / "ours" / "features"  # every file counts: shards, indexes, manifests
+        run([*MTP_TRAIN, stage, str(recipe)], log)
+    if not (head / "config.json").is_file():
+        run([*MTP_TRAIN, "export", str(recipe), "--format", "vllm", "--out", str(head)], log)
+    records = [json.loads(line) for line in (cell / name / "train_log.eagle3.jsonl").read_text().splitlines()]
+    features = cell / name / "features"  # every file counts: shards, indexes, manifests
     stored = json.loads((features / "manifest.json").read_text())
     tokens = sum(r["tokens"] for r in records)
     return {"steps": len(records), "tokens_trained": tokens, "tokens_per_s": tokens / sum(r["step_s"] for r in records),
             "bytes_per_token": sum(f.stat().st_size for f in features.iterdir()) / stored["totals"]["tokens"]}
 
 
-def peer_inputs(cell: Path) -> tuple[Path, Path, float]:
-    """Our stored token ids and loss masks as SpecForge's JSONL input, our draft vocabulary as its mapping, and the
-    mean conversation length."""
+def peer_inputs(cell: Path, ours: str = "ours") -> tuple[Path, Path, float]:
+    """Our stored token ids and loss masks (of our run ``CELL/OURS``) as SpecForge's JSONL input, our draft vocabulary
+    as its mapping, and the mean conversation length."""
     from safetensors.torch import load_file, save_file
 
     from mtp_train.features.reader import FeatureReader
 
-    reader = FeatureReader(cell / "ours" / "features")
+    reader = FeatureReader(cell / ours / "features")
     tokens, lengths = cell / "tokens.jsonl", []
     with open(tokens, "w") as f:
         for ref in reader.train:
             rows = reader.load(ref)
             lengths.append(len(rows["input_ids"]))
-            f.write(json.dumps({"input_ids": rows["input_ids"].tolist(), "loss_mask": rows["loss_mask"].tolist()}) + "\n")
-    head = load_file(cell / "ours-vllm" / "model.safetensors")
+            f.write(json.dumps({k: rows[k].tolist() for k in ("input_ids", "loss_mask")}) + "\n")
+    head = load_file(cell / f"{ours}-vllm" / "model.safetensors")
     vocab = cell / "vocab.safetensors"
     save_file({"d2t": head["d2t"], "t2d": head["t2d"]}, vocab)
     return tokens, vocab, sum(lengths) / len(lengths)
 
 
-def train_specforge(cell: Path, ours: dict, recipe: dict, threads: int, seed: int | None = None) -> dict:
-    """SpecForge on our tokens and vocabulary, as many optimizer steps as ours took and as many rows per step as
-    carry our mean tokens per step; its result.json."""
-    out = cell / "specforge"
-    tokens, vocab, mean_len = peer_inputs(cell)
-    t = recipe["train"]
+def train_specforge(cell: Path, ours: dict, recipe: dict, settings: dict, threads: int, seed: int,
+                    name: str = "specforge", ours_name: str = "ours") -> dict:
+    """SpecForge into ``CELL/NAME`` on the token ids and masks of our run ``CELL/OURS_NAME`` (``ours``: its cost), as
+    many optimizer steps as ours took, each of as many rows as carry our mean tokens per step; ``settings``: its
+    lr, TTT length, warm-up and vocabulary (``"vocab": "ours"``: our draft vocabulary; ``None``: SpecForge's own), as
+    :data:`SPECFORGE` names them. Its result.json."""
+    out = cell / name
+    tokens, vocab, mean_len = peer_inputs(cell, ours_name)
     batch = max(1, round(ours["tokens_trained"] / (ours["steps"] * mean_len)))
-    job = {"target": recipe["target"]["path"], "tokens": str(tokens), "vocab": str(vocab),
-           "max_length": recipe["data"]["max_length"], "ttt_length": t["unroll"], "lr": t["lr"],
-           "warmup_steps": t["warmup_steps"], "total_steps": ours["steps"], "batch_size": batch,
-           "seed": recipe["seed"] if seed is None else seed, "threads": threads, "out": str(out),
+    job = {"target": recipe["target"]["path"], "tokens": str(tokens), "max_length": recipe["data"]["max_length"],
+           **settings, "vocab": str(vocab) if settings["vocab"] == "ours" else None,
+           "total_steps": ours["steps"], "batch_size": batch, "seed": seed, "threads": threads, "out": str(out),
            "tokens_sha256": hashlib.sha256(tokens.read_bytes()).hexdigest()}  # the same paths may hold new rows
-    done = out / "result.json"
+    done, asked = out / "result.json", cell / f"{name}-job.json"
     if not done.is_file() or json.loads(done.read_text())["job"] != job:
-        (cell / "specforge-job.json").write_text(json.dumps(job, indent=1))
-        run([str(PEERS_PYTHON), str(REPO / "bench" / "peers" / "specforge_run.py"), str(cell / "specforge-job.json")],
-            cell / "specforge.log")
-    return json.loads((out / "result.json").read_text())
+        asked.write_text(json.dumps(job, indent=1))
+        run([str(PEERS_PYTHON), str(REPO / "bench" / "peers" / "specforge_run.py"), str(asked)], cell / f"{name}.log")
+    return json.loads(done.read_text())
 
 
 def prompt_sets(data: str, n: int, regen_rows: int) -> dict[str, list[list[int]]]:
@@ -249,15 +274,16 @@ def served(job: dict, work: Path, name: str) -> dict:
     return serve(VLLM_PYTHON, job, work, name)
 
 
-def score(cell: Path, job: dict, plain: dict, ks: list[int]) -> dict:
-    """``[trainer][k][set]`` = vLLM's counters with each exported head and whether its outputs equal plain's."""
-    heads = {"ours": cell / "ours-vllm", "specforge": cell / "specforge" / "vllm"}
+def score(cell: Path, job: dict, plain: dict, ks: list[int], heads: dict[str, Path]) -> dict:
+    """``[trainer][k][set]`` = vLLM's counters with each exported head (``heads``: trainer -> its directory in
+    ``cell``) and whether its outputs equal plain's."""
     out: dict = {}
     for trainer, head in heads.items():
         out[trainer] = {}
+        label = str(head.relative_to(cell)).replace("/", "-")
         for k in ks:
             result = served({**job, "head": str(head), "head_sha256": dir_digest(head),
-                             "k": k, "method": "eagle3"}, cell, f"vllm-{trainer}-k{k}")
+                             "k": k, "method": "eagle3"}, cell, f"vllm-{label}-k{k}")
             out[trainer][k] = {name: {"counts": r["counts"], "lossless": r["tokens"] == plain["sets"][name]["tokens"]}
                                for name, r in result["sets"].items()}
     return out
@@ -277,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--regen-rows", type=int, default=1280, help="Dolly rows regenerated once (at least rows × "
                         "the largest scale); the held-out prompts come after them")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="training seeds, both trainers")
+    parser.add_argument("--settings", nargs="+", default=["defaults"], choices=("defaults", "matched"),
+                        help="rows: each trainer at its own defaults; SpecForge at our settings")
     parser.add_argument("--reuse", action="store_true", help="keep runs whose key matches (default: from scratch)")
     args = parser.parse_args(argv)
     print(machine_line(), flush=True)
@@ -286,11 +314,13 @@ def main(argv: list[str] | None = None) -> int:
     args.work = args.work.resolve()
     args.work.mkdir(parents=True, exist_ok=True)
     recipe = base_recipe()
+    rows = {name: settings_rows(recipe)[name] for name in args.settings}
     regen_rows = max(args.regen_rows, args.rows * max(args.scales))
     shared = {"recipe": recipe, "target": dir_digest(Path(recipe["target"]["path"])), "code": code_digest(),
               "regen_rows": regen_rows, "threads": args.threads}
     fresh(args.work / "regen", shared, args.reuse)
-    cells, scores = {}, {}
+    cells: dict = {name: {} for name in rows}
+    scores: dict = {name: {} for name in rows}
     for data in args.data:
         sets = prompt_sets(data, args.prompts, regen_rows)
         job = scoring_job(recipe, sets, args.new_tokens, max(args.k))
@@ -300,42 +330,51 @@ def main(argv: list[str] | None = None) -> int:
         for scale in args.scales:
             text = "".join(json.dumps(c) + "\n" for c in conversations(data, args.rows * scale, args.work, regen_rows))
             for seed in args.seeds:
-                name = f"{data} × {scale}, seed {seed}"
+                run_name = f"{data} × {scale}, seed {seed}"
                 cell = args.work / f"{data}-{scale}x-s{seed}"
                 key = {**shared, "conversations": hashlib.sha256(text.encode()).hexdigest(), "seed": seed,
-                       "steps": args.steps * scale, "scoring": job, "k": args.k}
+                       "steps": args.steps * scale, "scoring": job, "k": args.k, "rows": rows}
                 fresh(cell, key, args.reuse)
                 (cell / "conversations.jsonl").write_text(text)
-                ours = train_ours(cell, args.steps * scale, seed=seed)
-                theirs = train_specforge(cell, ours, recipe, args.threads, seed)
-                cells[name] = {"ours": ours, "specforge": theirs}
-                scores[name] = score(cell, job, plain, args.k)
-                print(f"peer_parity: {name} done", flush=True)
-    report(cells, scores, args)
+                ours_runs: dict[str, dict] = {}
+                for setting, (overrides, theirs) in rows.items():
+                    mine = ours_name(overrides)
+                    if mine not in ours_runs:
+                        ours_runs[mine] = train_ours(cell, args.steps * scale, overrides, seed, mine)
+                    peer = f"specforge-{setting}"
+                    cells[setting][run_name] = {"ours": ours_runs[mine], "specforge": train_specforge(
+                        cell, ours_runs[mine], recipe, theirs, args.threads, seed, peer, mine)}
+                    scores[setting][run_name] = score(cell, job, plain, args.k, {
+                        "ours": cell / f"{mine}-vllm", "specforge": cell / peer / "vllm"})
+                print(f"peer_parity: {run_name} done", flush=True)
+    report(cells, scores, rows, args)
     return 0
 
 
-def report(cells: dict, scores: dict, args: argparse.Namespace) -> None:
-    """The tables, the goals at k = 3 and the differences; the numbers into WORK/peer_parity.json."""
-    print(ACCEPTANCE_HEADER)
-    for name, s in scores.items():
-        print("\n".join(acceptance_rows(name, s, args.k)))
-    print()
-    print("\n".join(cost_rows(cells)))
+def report(cells: dict, scores: dict, rows: dict, args: argparse.Namespace) -> None:
+    """Per row of settings: the tables, the goals at k = 3 and the cost ratios; then the differences that remain;
+    the numbers into WORK/peer_parity.json."""
     goal_k = 3 if 3 in args.k else max(args.k)
-    print(f"\nGoals at k = {goal_k}, pooled over cells and seeds (ahead: by more than 2 standard errors):")
-    for line, said in goal_rows(scores, goal_k):
-        print(f"- {said}: {line}")
-    for name, c in cells.items():
-        for what, better in (("tokens/s", c["ours"]["tokens_per_s"] >= c["specforge"]["tokens_per_s"]),
-                             ("bytes/token", c["ours"]["bytes_per_token"] <= c["specforge"]["bytes_per_token"])):
-            print(f"- {'met' if better else 'MISSED'}: {name}: {what}")
-    print("\nDifferences between the two runs that remain:")
-    for line in DIFFERENCES + sorted({n for c in cells.values() for n in c["specforge"].get("notes", [])}):
+    for setting, (overrides, theirs) in rows.items():
+        print(f"\n### {setting}: ours {' '.join(overrides) or 'as recipes/smollm2.yaml'}; SpecForge {theirs}\n")
+        print(ACCEPTANCE_HEADER)
+        for name, s in scores[setting].items():
+            print("\n".join(acceptance_rows(name, s, args.k)))
+        print()
+        print("\n".join(cost_rows(cells[setting])))
+        print(f"\nGoals at k = {goal_k}, pooled over cells and seeds (ahead: by more than 2 standard errors):")
+        for line, said in goal_rows(scores[setting], goal_k):
+            print(f"- {said}: {line}")
+        for what, better_high in (("tokens_per_s", True), ("bytes_per_token", False)):
+            ratios = [c["ours"][what] / c["specforge"][what] for c in cells[setting].values()]
+            print(f"- {what}, ours ÷ SpecForge: {min(ratios):.2f}–{max(ratios):.2f} over {len(ratios)} runs "
+                  f"({'higher' if better_high else 'lower'} is ours ahead)")
+    print("\nDifferences between the two trainers that remain:")
+    for line in DIFFERENCES + sorted({n for c in cells.values() for r in c.values() for n in r["specforge"].get(
+            "notes", [])}):
         print(f"- {line}")
-    (args.work / "peer_parity.json").write_text(json.dumps({"cells": cells, "scores": scores, "args": {
+    (args.work / "peer_parity.json").write_text(json.dumps({"cells": cells, "scores": scores, "rows": rows, "args": {
         k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}, indent=1))
-
 
 if __name__ == "__main__":
     sys.exit(main())

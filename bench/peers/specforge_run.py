@@ -5,13 +5,15 @@ on our tokens and draft vocabulary, offline, on the CPU, and exports it for vLLM
 
 JOB.json: ``{"target": HF Llama dir, "tokens": JSONL of {"input_ids": [...], "loss_mask": [...]} (already rendered
 and masked; trained as they are), "vocab": safetensors with d2t int64 [N] (target = draft + d2t[draft]) and t2d bool
-[V], "max_length", "ttt_length", "lr", "warmup_steps", "total_steps", "batch_size" (rows per step), "seed",
-"threads", "out": DIR}``.
+[V], or null for SpecForge's own (the ``draft_vocab`` most frequent trained ids, 32000 by default), "max_length",
+"ttt_length", "lr", "warmup_steps" (or "warmup_ratio", SpecForge's own measure), "total_steps", "batch_size" (rows
+per step), "seed", "threads", "out": DIR}``; optional "workers" (SpecForge's loader threads, 0 unless given).
 
 Steps, all under OUT: (1) ``features/``: offline features in SpecForge's format (bench/peers/capture.py: a
 transformers forward with hooks, as SpecForge's SGLang capture needs CUDA); (2) ``vocab_mapping.pt`` (the job's
-d2t/t2d, so SpecForge computes none), ``draft_config.json`` (SpecForge's default 1-layer Llama draft for the target,
-draft_vocab_size N), ``run.yaml``, then ``specforge train -c run.yaml`` logging to ``train.log``; (3) ``specforge
+d2t/t2d, so SpecForge computes none; with no job vocabulary, SpecForge's own, found in its cache after training),
+``draft_config.json`` (SpecForge's default 1-layer Llama draft for the target, draft_vocab_size N), ``run.yaml``,
+then ``specforge train -c run.yaml`` logging to ``train.log``; (3) ``specforge
 export --to sglang`` into ``vllm/`` (SpecForge 0.2.0 has no ``--to vllm``: its SGLang layout, ``midlayer.*``, ``fc``,
 ``norm``, ``lm_head``, ``d2t``, ``t2d`` and ``LlamaForCausalLMEagle3``, is what vLLM's eagle3 loader reads); (4)
 ``result.json``, written atomically. Runs inside .venv-peers (SpecForge's transformers, CPU torch) and imports
@@ -36,8 +38,9 @@ from typing import Any
 import torch
 
 HERE = Path(__file__).resolve().parent
-FIELDS = ("target", "tokens", "vocab", "max_length", "ttt_length", "lr", "warmup_steps", "total_steps", "batch_size",
-          "seed", "threads", "out")
+FIELDS = ("target", "tokens", "vocab", "max_length", "ttt_length", "lr", "total_steps", "batch_size", "seed",
+          "threads", "out")
+DRAFT_VOCAB = 32000  # SpecForge's default draft vocabulary (its Llama-3 8B draft config)
 SPECFORGE = [sys.executable, "-m", "specforge.cli"]
 STEP_LINE = re.compile(r"^step (\d+): (\{.*\})$")
 
@@ -45,7 +48,8 @@ STEP_LINE = re.compile(r"^step (\d+): (\{.*\})$")
 def load_job(path: str) -> dict:
     """The job, every field present; ``out`` made absolute."""
     job = json.loads(Path(path).read_text())
-    missing = [name for name in FIELDS if name not in job]
+    missing = [name for name in FIELDS if name not in job] + (
+        [] if "warmup_steps" in job or "warmup_ratio" in job else ["warmup_steps or warmup_ratio"])
     if missing:
         raise SystemExit(f"{path}: missing {missing}")
     job["out"] = str(Path(job["out"]).resolve())
@@ -90,22 +94,24 @@ def write_vocab_mapping(vocab: str, out: Path) -> tuple[Path, int]:
     return path, d2t.numel()
 
 
-def run_config(job: dict, features: Path, vocab_mapping: Path, tied: bool) -> dict:
-    """SpecForge's run YAML for one offline, single-process, fp32 CPU run of exactly ``total_steps`` steps."""
-    steps, warmup = job["total_steps"], job["warmup_steps"]
+def run_config(job: dict, features: Path, vocab_mapping: Path | None, tied: bool) -> dict:
+    """SpecForge's run YAML for one offline, single-process, fp32 CPU run of exactly ``total_steps`` steps (with no
+    ``vocab_mapping``, SpecForge derives its own from the features)."""
+    steps = job["total_steps"]
+    # SpecForge takes a ratio and warms up int(ratio * total) steps.
+    ratio = job["warmup_ratio"] if "warmup_ratio" in job else min(1.0, (job["warmup_steps"] + 1e-6) / steps)
     rows = sum(1 for _ in features.rglob("*.ckpt"))
     epochs = math.ceil(steps / max(1, rows // job["batch_size"]))
     return {
         "model": {"target_model_path": job["target"], "torch_dtype": "float32",
-                  "vocab_mapping_path": str(vocab_mapping),
+                  "vocab_mapping_path": str(vocab_mapping or ""),
                   # A tied target has no lm_head.weight: the teacher head is the embedding.
                   "lm_head_key": "model.embed_tokens.weight" if tied else "lm_head.weight"},
-        "data": {"hidden_states_path": str(features), "max_length": job["max_length"], "dataloader_num_workers": 0,
-                 "cache_dir": str(Path(job["out"]) / "cache")},
+        "data": {"hidden_states_path": str(features), "max_length": job["max_length"],
+                 "dataloader_num_workers": job.get("workers", 0), "cache_dir": str(Path(job["out"]) / "cache")},
         "training": {"strategy": "eagle3", "num_epochs": epochs, "max_steps": steps, "total_steps": steps,
                      "batch_size": job["batch_size"], "learning_rate": job["lr"], "lr_scheduler": "cosine",
-                     # SpecForge takes a ratio and warms up int(ratio * total) steps.
-                     "warmup_ratio": min(1.0, (warmup + 1e-6) / steps), "ttt_length": job["ttt_length"],
+                     "warmup_ratio": ratio, "ttt_length": job["ttt_length"],
                      "attention_backend": "sdpa", "fsdp_sharding": "NO_SHARD", "seed": job["seed"],
                      "log_interval": 1, "save_interval": 0},
         "run_id": "specforge-peer",
@@ -233,14 +239,15 @@ def write_json(path: Path, value: Any) -> None:
 def main(job_path: str) -> int:
     job = load_job(job_path)
     out = Path(job["out"])
-    for stale in ("features", "run", "vllm"):  # a rerun starts afresh: no old rows, no checkpoint to resume
+    for stale in ("features", "run", "vllm", "cache"):  # a rerun starts afresh: no old rows, checkpoint or mapping
         shutil.rmtree(out / stale, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(job["threads"])
     torch.manual_seed(job["seed"])
     features = out / "features"
     size, tokens, capture_s = capture_features(job, read_rows(job["tokens"], job["max_length"]), features)
-    vocab_mapping, draft_vocab = write_vocab_mapping(job["vocab"], out)
+    vocab_mapping, draft_vocab = (write_vocab_mapping(job["vocab"], out) if job["vocab"] else
+                                  (None, job.get("draft_vocab", DRAFT_VOCAB)))
     tied = bool(json.loads((Path(job["target"]) / "config.json").read_text()).get("tie_word_embeddings", False))
     run = run_config(job, features, vocab_mapping, tied)
     run["model"]["draft_model_config"] = str(write_draft_config(run, draft_vocab, out))
@@ -250,16 +257,23 @@ def main(job_path: str) -> int:
     process_s = specforge(["train", "-c", str(out / "run.yaml")], log, job["threads"])
     steps = step_metrics(log)
     step_s = [s["perf/optimizer_step_time_s"] for s in steps]
+    if vocab_mapping is None:  # the one SpecForge derived and cached (training/assembly.py)
+        (vocab_mapping,) = (out / "cache" / "vocab_mapping").glob("*.pt")
     export(out, Path(run["model"]["draft_model_config"]), vocab_mapping, job["threads"])
     trained = tokens_fed(features, job)
     train_s = sum(step_s)
+    compute_s = sum(s.get("perf/train_compute_time_s", 0.0) for s in steps)
     result = {
         "specforge": version(), "job": job, "capture_s": round(capture_s, 3), "train_s": round(train_s, 3),
-        "train_s_source": "sum of SpecForge's per-step perf/optimizer_step_time_s (log_interval 1): the fit loop "
-                          "only, without process start, model loading or the final checkpoint",
+        "train_s_source": "sum of SpecForge's per-step perf/optimizer_step_time_s (log_interval 1): the fit loop's "
+                          "wall time per step, its loader's wait included (its controller times the whole window), "
+                          "without process start, model loading or the final checkpoint",
+        "compute_s": round(compute_s, 3), "data_wait_s": round(sum(s.get("perf/data_wait_time_s", 0.0)
+                                                                   for s in steps), 3),
         "train_process_s": round(process_s, 3), "steps": len(steps), "step_s": [round(s, 3) for s in step_s],
         "steady_step_s": round(statistics.median(step_s[1:]), 3) if len(step_s) > 1 else None,
         "tokens_trained": trained, "tokens_per_s": round(trained / train_s, 1) if train_s else None,
+        "compute_tokens_per_s": round(trained / compute_s, 1) if compute_s else None,
         "feature_bytes": size, "feature_tokens": tokens, "bytes_per_token": round(size / max(1, tokens), 1),
         "loss": [s.get("train/loss", s.get("loss")) for s in steps],
         "config": effective_settings(job, run),
