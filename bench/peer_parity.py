@@ -57,8 +57,8 @@ RECIPE = REPO / "recipes" / "smollm2.yaml"
 SGD = REPO / "data" / "sgd" / "sgd_train_sharegpt.jsonl.gz"
 DOLLY = REPO / "data" / "general" / "prompts.jsonl.gz"
 MTP_TRAIN = [sys.executable, "-m", "mtp_train.cli"]
-CODE = ["mtp_train", "bench/peers", "bench/peer_parity.py", "bench/peer_table.py", "bench/vllm_serve.py",
-        "bench/vllm_check.py"]  # what a run's results depend on, besides its data, settings and target
+CODE = ["mtp_train", "precompute", "eval", "bench/peers", "bench/peer_parity.py", "bench/peer_table.py",
+        "bench/vllm_serve.py", "bench/vllm_check.py"]  # what a run's results depend on, besides data, settings, target
 WORKERS = 1  # loader threads, both sides: ours prefetches its batches on one thread
 # SpecForge 0.2.0's own defaults (its config schema and every EAGLE-3 example; gradient clipping 0.5, AdamW betas
 # (0.9, 0.999) and the cosine to 0 are fixed in its code): lr, TTT length, warm-up ratio and a 32k draft vocabulary
