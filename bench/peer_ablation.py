@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", choices=("dolly", "sgd"), default="sgd")
     parser.add_argument("--scale", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0, help="the cell's training seed")
-    parser.add_argument("--setting", choices=("defaults", "matched"), default="defaults",
+    parser.add_argument("--setting", choices=("defaults", "matched", "tuned"), default="defaults",
                         help="the row of peer_parity whose SpecForge head stands beside")
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--max-k", type=int, default=4, help="peer_parity's largest k (it sizes vLLM's context)")

@@ -14,7 +14,8 @@ For each data set, scale (``--rows`` × scale conversations, ``--steps`` × scal
    precompute stored, the same max length and seed, for as many optimizer steps as ours took, each of as many rows
    as carry our mean tokens per step, one loader thread on both sides. Its lr, TTT length, warm-up and draft
    vocabulary are the row's (``--settings``): ``defaults``, each trainer at its own (SpecForge's: lr 1e-4, TTT 7,
-   warm-up ratio 0.015, a 32k draft vocabulary of its own); ``matched``, SpecForge at ours (our draft vocabulary).
+   warm-up ratio 0.015, a 32k draft vocabulary of its own); ``matched``, SpecForge at ours (our draft vocabulary);
+   ``tuned``, each at its own defaults but the lr and TTT length bench/peer_sweep.py found best for it.
 4. **Scoring.** Both exported heads are served by vLLM (bench/vllm_serve.py, in .venv-vllm) on the same prompts:
    the held-out set of the data (Dolly rows no scale trains on; SGD's dev split), Spec-Bench and MT-bench first
    turns (``--prompts`` each, category-stratified), greedy, ``--new-tokens`` tokens, at k = 1..4. Lossless: every
@@ -150,13 +151,21 @@ def base_recipe() -> dict:
     return recipe
 
 
-def settings_rows(recipe: dict) -> dict[str, tuple[list[str], dict]]:
+def settings_rows(recipe: dict, work: Path) -> dict[str, tuple[list[str], dict]]:
     """The comparison's rows: per name, our recipe's overrides and SpecForge's settings. ``defaults``: each trainer
-    at its own; ``matched``: SpecForge at our lr, TTT length, warm-up and draft vocabulary."""
+    at its own; ``matched``: SpecForge at our lr, TTT length, warm-up and draft vocabulary; ``tuned`` (once
+    bench/peer_sweep.py wrote ``WORK/tuned.json``): each at its own defaults but the lr and TTT length it did best
+    with."""
     t = recipe["train"]
-    return {"defaults": ([], SPECFORGE),
+    rows = {"defaults": ([], SPECFORGE),
             "matched": ([], {"lr": t["lr"], "ttt_length": t["unroll"], "warmup_steps": t["warmup_steps"],
                              "vocab": "ours", "workers": WORKERS})}
+    if (work / "tuned.json").is_file():
+        best = json.loads((work / "tuned.json").read_text())
+        ours, theirs = best["ours"], best["specforge"]
+        rows["tuned"] = ([f"train.lr={ours['lr']}", f"train.unroll={ours['ttt']}"],
+                         {**SPECFORGE, "lr": theirs["lr"], "ttt_length": theirs["ttt"]})
+    return rows
 
 
 def ours_name(overrides: list[str]) -> str:
@@ -303,8 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--regen-rows", type=int, default=1280, help="Dolly rows regenerated once (at least rows × "
                         "the largest scale); the held-out prompts come after them")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="training seeds, both trainers")
-    parser.add_argument("--settings", nargs="+", default=["defaults"], choices=("defaults", "matched"),
-                        help="rows: each trainer at its own defaults; SpecForge at our settings")
+    parser.add_argument("--settings", nargs="+", default=["defaults"], choices=("defaults", "matched", "tuned"),
+                        help="rows: each trainer at its own defaults; SpecForge at our settings; each at its best "
+                        "lr and TTT length (bench/peer_sweep.py)")
     parser.add_argument("--reuse", action="store_true", help="keep runs whose key matches (default: from scratch)")
     args = parser.parse_args(argv)
     print(machine_line(), flush=True)
@@ -314,7 +324,10 @@ def main(argv: list[str] | None = None) -> int:
     args.work = args.work.resolve()
     args.work.mkdir(parents=True, exist_ok=True)
     recipe = base_recipe()
-    rows = {name: settings_rows(recipe)[name] for name in args.settings}
+    known = settings_rows(recipe, args.work)
+    if "tuned" in args.settings and "tuned" not in known:
+        sys.exit(f"peer_parity: --settings tuned reads {args.work / 'tuned.json'}; run bench/peer_sweep.py first")
+    rows = {name: known[name] for name in args.settings}
     regen_rows = max(args.regen_rows, args.rows * max(args.scales))
     shared = {"recipe": recipe, "target": dir_digest(Path(recipe["target"]["path"])), "code": code_digest(),
               "regen_rows": regen_rows, "threads": args.threads}

@@ -3,6 +3,7 @@ matches; the goal is read from paired differences per cell and seed, whose stand
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from pathlib import Path
@@ -59,3 +60,18 @@ def test_the_verdict_is_level_within_two_standard_errors() -> None:
     assert math.isclose(mean, 0.01) and math.isclose(se, math.sqrt(0.001 / 3) / 2) and said == "level"
     assert verdict([-0.05, -0.04, -0.06])[2] == "behind"
     assert verdict([0.1])[1] == math.inf and verdict([0.1])[2] == "level"  # one run: no error, no claim
+
+
+def test_the_tuned_row_gives_each_trainer_its_own_best_point(tmp_path: Path) -> None:
+    import peer_sweep
+
+    recipe = {"train": {"lr": 1e-3, "unroll": 2, "warmup_steps": 10}}
+    assert sorted(pp.settings_rows(recipe, tmp_path)) == ["defaults", "matched"]  # no sweep yet
+    grid = [{"lr": lr, "ttt": ttt, "ours": {"mal": mal_ours}, "specforge": {"mal": mal_theirs}}
+            for lr, ttt, mal_ours, mal_theirs in ((1e-4, 7, 1.2, 1.5), (1e-3, 2, 1.6, 1.4), (3e-3, 7, 1.6, 1.1))]
+    tuned = {"ours": peer_sweep.best(grid, "ours"), "specforge": peer_sweep.best(grid, "specforge")}
+    assert tuned == {"ours": {"lr": 1e-3, "ttt": 2, "mal": 1.6}, "specforge": {"lr": 1e-4, "ttt": 7, "mal": 1.5}}
+    (tmp_path / "tuned.json").write_text(json.dumps(tuned))
+    rows = pp.settings_rows(recipe, tmp_path)
+    assert rows["tuned"] == (["train.lr=0.001", "train.unroll=2"], {**pp.SPECFORGE, "lr": 1e-4, "ttt_length": 7})
+    assert rows["defaults"][1]["vocab"] is None and rows["matched"][1]["vocab"] == "ours"
