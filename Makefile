@@ -3,7 +3,8 @@
 # `make vllm` builds vLLM's CPU build in a virtualenv of its own (.venv-vllm/, about 5 minutes) for
 # bench/vllm_check.py and the test that serves an exported head in vLLM (skipped without it). `make peers` builds
 # SpecForge 0.2.0, the peer trainer of bench/peers/, in .venv-peers/ (CPU torch, offline EAGLE-3 only, patched;
-# about 4 minutes).
+# about 4 minutes). `make speculators` builds speculators 0.9.0, vLLM's own trainer and the second peer, in
+# .venv-speculators/ (CPU torch, unpatched: bench/peers/speculators_run.py makes its CPU changes at run time).
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
@@ -17,8 +18,18 @@ PEERS_VENV := .venv-peers
 # reports SpecForge's unmet pins (sglang, wandb, yunchang, ...) as conflicts: expected, none is imported.
 PEERS_DEPS := transformers==5.8.1 safetensors==0.8.0 accelerate==1.16.0 datasets==5.2.0 pydantic==2.14.4 \
 	pyyaml==6.0.4 tqdm==4.70.1 numpy==2.4.6 psutil==7.2.2
+SPECULATORS_VENV := .venv-speculators
+# speculators 0.9.0 declares torchvision and torchaudio (never imported) beside its torch pin, so it and its
+# hs-connectors go in with --no-deps; then the pure-Python packages its training path imports, at versions inside
+# its pins (transformers <=5.19, datasets <=5.1.0, openai >=2), with their own dependencies. pip then reports
+# torchvision and torchaudio as missing: expected.
+SPECULATORS_PINS := speculators==0.9.0 hs-connectors==0.9.0
+SPECULATORS_DEPS := transformers==5.19.0 datasets==5.1.0 numpy==2.4.6 tqdm==4.70.1 loguru==0.7.3 \
+	pydantic==2.14.4 pydantic-settings==2.16.3 typer==0.29.2 rich==15.0.0 click==8.5.1 httpx==0.29.0 \
+	huggingface-hub==2.4.0 openai==3.63.0 protobuf==7.36.2 psutil==7.2.2 safetensors==0.8.0 pyyaml==6.0.4 \
+	packaging==26.4
 
-.PHONY: demo test venv smollm2 vllm peers clean
+.PHONY: demo test venv smollm2 vllm peers speculators clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -66,8 +77,21 @@ $(PEERS_VENV)/.installed: bench/peers/specforge-cpu.patch
 
 peers: $(PEERS_VENV)/.installed
 
+# The CPU changes (bench/peers/README.md, "speculators 0.9.0") are made by the runner, not by a patch.
+$(SPECULATORS_VENV)/.installed:
+	rm -rf $(SPECULATORS_VENV)
+	$(PY) -m venv $(SPECULATORS_VENV)
+	$(SPECULATORS_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(SPECULATORS_VENV)/bin/python -m pip install --quiet $(TORCH_PIN)
+	$(SPECULATORS_VENV)/bin/python -m pip install --quiet --no-deps $(SPECULATORS_PINS)
+	$(SPECULATORS_VENV)/bin/python -m pip install --quiet $(TORCH_PIN) $(SPECULATORS_DEPS)
+	$(SPECULATORS_VENV)/bin/python -c "import speculators.train.cli, speculators.models.eagle3.core, hs_connectors"
+	touch $@
+
+speculators: $(SPECULATORS_VENV)/.installed
+
 test: $(STAMP) smollm2
 	$(BIN)/python -m pytest -q
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(PEERS_VENV)
+	rm -rf $(VENV) $(VLLM_VENV) $(PEERS_VENV) $(SPECULATORS_VENV)
