@@ -37,17 +37,17 @@ from typing import Any
 
 import torch
 
-FIELDS = ("target", "tokens", "vocab", "max_length", "ttt_steps", "lr", "total_steps", "seq_len", "seed", "threads",
-          "out")
+FIELDS = "target tokens vocab max_length ttt_steps lr total_steps seq_len seed threads out".split()
 
 
 def load_job(path: str) -> dict:
-    """The job, every field present; ``out`` and ``target`` made absolute."""
+    """The job, every field present, its paths made absolute."""
     job = json.loads(Path(path).read_text())
     missing = [name for name in FIELDS if name not in job]
     if missing or job.get("optimizer", "muon") not in ("muon", "adamw") or job.get("workers", 0) not in (0, 1):
         raise SystemExit(f"{path}: missing {missing}, or optimizer not muon/adamw, or workers not 0/1")
-    job["out"], job["target"] = str(Path(job["out"]).resolve()), str(Path(job["target"]).resolve())
+    for key in ("out", "target", "tokens", "vocab"):  # absolute: the run works in OUT
+        job[key] = job[key] and str(Path(job[key]).resolve())
     return job
 
 
@@ -191,8 +191,7 @@ class MetricRecords(logging.Handler):
 
     def __init__(self, path: Path):
         super().__init__()
-        self.records: list[dict] = []
-        self.path = path
+        self.records, self.path = [], path
 
     def emit(self, record: logging.LogRecord) -> None:
         if isinstance(record.msg, dict) and not getattr(record, "hparams", False):
@@ -373,13 +372,14 @@ def main(job_path: str) -> int:
     out = Path(job["out"])
     for stale in ("data", "vocab", "ckpt", "logs", "vllm"):  # a rerun starts afresh (no resume, no old rows)
         shutil.rmtree(out / stale, ignore_errors=True)
-    (out / "metrics.jsonl").unlink(missing_ok=True)
+    for name in ("metrics.jsonl", "result.json"):
+        (out / name).unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     os.environ.update({"OMP_NUM_THREADS": str(job["threads"]), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                        "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled"})
     torch.set_num_threads(job["threads"])
     torch.manual_seed(job["seed"])
-    os.chdir(out)  # speculators' relative defaults, if any are used, land here
+    os.chdir(out)  # speculators' relative defaults land here (the job's own paths are absolute by now)
     run = prepare(job, out)
     notes = cpu_patches()
     records = MetricRecords(out / "metrics.jsonl")
