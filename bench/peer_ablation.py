@@ -23,6 +23,7 @@ sys.path.insert(0, str(REPO))
 from bench.machine import machine_line  # noqa: E402
 
 import peer_parity as pp  # noqa: E402
+import peer_runs as pr  # noqa: E402
 from peer_table import from_counts  # noqa: E402
 
 
@@ -42,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="the cell's training seed")
     parser.add_argument("--setting", choices=("defaults", "matched", "tuned"), default="defaults",
                         help="the row of peer_parity whose SpecForge head stands beside")
+    parser.add_argument("--peer", choices=list(pp.PEERS), default="specforge")
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--max-k", type=int, default=4, help="peer_parity's largest k (it sizes vLLM's context)")
     parser.add_argument("--rows", type=int, default=80)
@@ -54,21 +56,21 @@ def main(argv: list[str] | None = None) -> int:
     print(machine_line(), flush=True)
     work = args.work.resolve()
     cell = work / f"{args.data}-{args.scale}x-s{args.seed}"
-    peer = cell / f"specforge-{args.setting}" / "vllm"
+    peer = cell / f"{args.peer}-{args.setting}" / "vllm"
     if not (cell / "ours-vllm").is_dir() or not peer.is_dir():
         sys.exit(f"peer_ablation: {cell} has no pair of heads; run bench/peer_parity.py --settings {args.setting} "
                  "first")
     gated = variant_cell(work, cell, "ours-gate-input")
-    pp.train_ours(gated, args.steps * args.scale, ["train.mask_gate=input"], seed=args.seed)
+    pr.train_ours(gated, args.steps * args.scale, ["train.mask_gate=input"], seed=args.seed)
 
-    recipe = pp.base_recipe()
+    recipe = pr.base_recipe()
     sets = pp.prompt_sets(args.data, args.prompts, max(args.regen_rows, args.rows * args.scale))
     job = pp.scoring_job(recipe, sets, args.new_tokens, args.max_k)  # as peer_parity's, so its runs are reused
     plain = pp.served({**job, "head": None}, work / f"plain-{args.data}", "vllm-plain")
     # the cell's two heads as peer_parity scored them (its vLLM runs are reused), then the variant
-    pair = pp.score(cell, job, plain, [args.k], {"ours": cell / "ours-vllm", "specforge": peer})
+    pair = pp.score(cell, job, plain, [args.k], {"ours": cell / "ours-vllm", args.peer: peer})
     gated_head = pp.score(gated, job, plain, [args.k], {"ours": gated / "ours-vllm"})["ours"]
-    scored = {("ours", "recipe"): pair["ours"], ("specforge", args.setting): pair["specforge"],
+    scored = {("ours", "recipe"): pair["ours"], (args.peer, args.setting): pair[args.peer],
               ("ours", "mask_gate input"): gated_head}
     results: dict = {}
     for which, by_k in scored.items():

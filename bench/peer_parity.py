@@ -1,7 +1,9 @@
-"""SpecForge side by side with this trainer at equal data: EAGLE-3 heads for SmolLM2, served by vLLM's CPU build.
+"""The field's trainers side by side with this one at equal data: EAGLE-3 heads for SmolLM2 trained by us, SpecForge
+0.2.0 and speculators 0.9.0, all served by vLLM's CPU build.
 
-    make smollm2 vllm peers         # once: the target, vLLM (.venv-vllm) and SpecForge (.venv-peers)
+    make smollm2 vllm peers speculators    # once: the target, vLLM, SpecForge and speculators (own virtualenvs)
     .venv/bin/python bench/peer_parity.py [--rows 80] [--steps 30] [--scales 1 4] [--data sgd dolly] [--seeds 0 1 2]
+                                          [--settings defaults tuned] [--peers specforge speculators] [--reuse]
 
 For each data set, scale (``--rows`` × scale conversations, ``--steps`` × scale steps) and training seed:
 
@@ -10,23 +12,24 @@ For each data set, scale (``--rows`` × scale conversations, ``--steps`` × scal
    ``sgd``: SGD's training dialogues as written. Written to ``WORK/CELL/conversations.jsonl``.
 2. **This trainer.** recipes/smollm2.yaml with ``head.kind=eagle3`` on those conversations: precompute, train,
    ``export --format vllm``. Its tokens/s is Σ tokens / Σ step_s of the train log (the optimizer steps only).
-3. **SpecForge** (bench/peers/specforge_run.py in .venv-peers) on exactly the token ids and loss masks our
-   precompute stored, the same max length and seed, for as many optimizer steps as ours took, each of as many rows
-   as carry our mean tokens per step, one loader thread on both sides. Its lr, TTT length, warm-up and draft
-   vocabulary are the row's (``--settings``): ``defaults``, each trainer at its own (SpecForge's: lr 1e-4, TTT 7,
-   warm-up ratio 0.015, a 32k draft vocabulary of its own); ``matched``, SpecForge at ours (our draft vocabulary);
-   ``tuned``, each at its own defaults but the lr and TTT length bench/peer_sweep.py found best for it.
-4. **Scoring.** Both exported heads are served by vLLM (bench/vllm_serve.py, in .venv-vllm) on the same prompts:
+3. **Each peer** (bench/peer_runs.py, bench/peers/) on exactly the token ids and loss masks our precompute stored,
+   the same max length and seed, as many optimizer steps as ours took, each carrying our mean tokens per step, one
+   loader thread on every side. Its lr, TTT length, warm-up and draft vocabulary are the row's (``--settings``):
+   ``defaults``, each trainer at its own (SpecForge: lr 1e-4, TTT 7, warm-up ratio 0.015, a 32k draft vocabulary of
+   its own; speculators: Muon at lr 1e-3, 3 TTT steps, the full vocabulary); ``matched``, the peers at our lr, TTT
+   length and draft vocabulary; ``tuned``, each at its own defaults but the lr and TTT length bench/peer_sweep.py
+   found best for it.
+4. **Scoring.** Every exported head is served by vLLM (bench/vllm_serve.py, in .venv-vllm) on the same prompts:
    the held-out set of the data (Dolly rows no scale trains on; SGD's dev split), Spec-Bench and MT-bench first
    turns (``--prompts`` each, category-stratified), greedy, ``--new-tokens`` tokens, at k = 1..4. Lossless: every
    speculative output equals vLLM's plain output.
 
-Everything lands in ``--work`` (default runs/peers). A rerun starts from scratch: regeneration, both trainers and
-every vLLM run. With ``--reuse`` it keeps a run whose key still matches: the sha256 of its conversations, both
-sides' settings, the seed, the target's weights and the code of this benchmark and of mtp_train (``key.json`` in
-the run's directory); vLLM's results are keyed by the served head's sha256. Prints two Markdown tables (acceptance
-per run; tokens/s and bytes per token), the goals at k = 3 pooled over cells and seeds, and the differences between
-the two trainers that cannot be removed; ``WORK/peer_parity.json`` holds the numbers.
+Everything lands in ``--work`` (default runs/peers). A rerun starts from scratch: regeneration, every trainer and
+every vLLM run. With ``--reuse`` it keeps a run whose key still matches: the sha256 of its conversations, every
+side's settings, the seed, the target's weights and the code of this benchmark and of mtp_train (``key.json`` in
+the run's directory); vLLM's results are keyed by the served head's sha256. Prints, per row of settings, the
+acceptance per run, the costs, and the goals at k = 3 pooled over cells and seeds; then the differences between the
+trainers that cannot be removed; ``WORK/peer_parity.json`` holds the numbers.
 """
 
 from __future__ import annotations
@@ -34,9 +37,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -45,28 +45,17 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 from bench.machine import machine_line  # noqa: E402
 
-import yaml  # noqa: E402
-
-from mtp_train.recipe import apply_overrides  # noqa: E402
-
-from peer_table import ACCEPTANCE_HEADER, acceptance_rows, cost_rows, goal_rows  # noqa: E402
+from peer_runs import (DOLLY, MTP_TRAIN, RECIPE, RUNNERS, SGD, SPECFORGE, SPECULATORS, VLLM_PYTHON,  # noqa: E402
+                       WORKERS, base_recipe, code_digest, dir_digest, fresh, ours_name, run, train_ours, train_peer,
+                       with_point)
+from peer_table import acceptance_header, acceptance_rows, cost_rows, goal_rows  # noqa: E402
 from vllm_check import serve  # noqa: E402
 
-PEERS_PYTHON = REPO / ".venv-peers" / "bin" / "python"
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
-RECIPE = REPO / "recipes" / "smollm2.yaml"
-SGD = REPO / "data" / "sgd" / "sgd_train_sharegpt.jsonl.gz"
-DOLLY = REPO / "data" / "general" / "prompts.jsonl.gz"
-MTP_TRAIN = [sys.executable, "-m", "mtp_train.cli"]
-CODE = ["mtp_train", "precompute", "eval", "bench/peers", "bench/peer_parity.py", "bench/peer_table.py",
-        "bench/vllm_serve.py", "bench/vllm_check.py"]  # what a run's results depend on, besides data, settings, target
-WORKERS = 1  # loader threads, both sides: ours prefetches its batches on one thread
-# SpecForge 0.2.0's own defaults (its config schema and every EAGLE-3 example; gradient clipping 0.5, AdamW betas
-# (0.9, 0.999) and the cosine to 0 are fixed in its code): lr, TTT length, warm-up ratio and a 32k draft vocabulary
-# of its own, from the trained ids.
-SPECFORGE = {"lr": 1e-4, "ttt_length": 7, "warmup_ratio": 0.015, "vocab": None, "draft_vocab": 32000,
-             "workers": WORKERS}
+PEERS = {"specforge": SPECFORGE, "speculators": SPECULATORS}  # each peer's own defaults
 DIFFERENCES = [
+    "speculators: Muon (its default) or AdamW, linear warm-up and decay, equal TTT step weights, KL over its draft "
+    "vocabulary without SpecForge's top-1 gate, its frozen lm_head copied from the target's rows; rows packed to "
+    "one sequence per step (bench/peers/README.md)",
     "loss mask: SpecForge gates the prediction of t+2 on the mask at t (ours: on the mask of the predicted token; "
     "`train.mask_gate: input` trains ours as SpecForge does, bench/peer_ablation.py measures it)",
     "loss normalisation: SpecForge divides by batch × length, padding included (ours: a mean over masked tokens)",
@@ -96,157 +85,23 @@ def conversations(data: str, rows: int, work: Path, regen_rows: int) -> list[dic
     return [{"messages": by_id[i]} for i in sorted(by_id)[:rows]]
 
 
-def run(cmd: list[str], log: Path, env: dict | None = None) -> None:
-    """``cmd`` with its output appended to ``log``; a failure stops the benchmark naming the log."""
-    with open(log, "a") as f:
-        proc = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    if proc.returncode != 0:
-        sys.exit(f"peer_parity: {' '.join(map(str, cmd[:4]))} ... failed (exit {proc.returncode}); see {log}")
-
-
-def sha256_of(path: Path) -> str:
-    """The sha256 of a file's bytes."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def code_digest(paths: list[str] = CODE) -> str:
-    """One sha256 over every file under ``paths`` (relative to the repository; caches left out), names included."""
-    digest = hashlib.sha256()
-    for top in paths:
-        files = [REPO / top] if (REPO / top).is_file() else sorted((REPO / top).rglob("*"))
-        for f in files:
-            if f.is_file() and "__pycache__" not in f.parts:
-                digest.update(f"{f.relative_to(REPO)}\0{sha256_of(f)}\0".encode())
-    return digest.hexdigest()
-
-
-def dir_digest(directory: Path) -> str:
-    """One sha256 over a directory's files, names included (a target's config, tokenizer and weights; a head)."""
-    return hashlib.sha256("".join(f"{f.name}:{sha256_of(f)};" for f in sorted(directory.iterdir())
-                                  if f.is_file()).encode()).hexdigest()
-
-
-def fresh(directory: Path, key: dict, reuse: bool) -> bool:
-    """Make ``directory`` the place of a run whose results depend on ``key``: kept as it is when ``reuse`` is asked
-    and its ``key.json`` equals ``key``, else emptied and given ``key.json``. True when it was emptied."""
-    stored = directory / "key.json"
-    if reuse and stored.is_file() and json.loads(stored.read_text()) == json.loads(json.dumps(key)):
-        return False
-    shutil.rmtree(directory, ignore_errors=True)
-    directory.mkdir(parents=True)
-    (directory / "key.tmp").write_text(json.dumps(key, indent=1))
-    os.replace(directory / "key.tmp", stored)
-    return True
-
-
-def base_recipe() -> dict:
-    """recipes/smollm2.yaml as a dict, its target path made absolute and its warm-up the one the table ran with."""
-    recipe = yaml.safe_load(RECIPE.read_text())
-    recipe["target"]["path"] = str((RECIPE.parent / recipe["target"]["path"]).resolve())
-    recipe["train"]["warmup_steps"] = 10  # the table's runs (the recipe's one-hour run warms up over 20 since)
-    return recipe
-
-
-def settings_rows(recipe: dict, work: Path) -> dict[str, tuple[list[str], dict]]:
-    """The comparison's rows: per name, our recipe's overrides and SpecForge's settings. ``defaults``: each trainer
-    at its own; ``matched``: SpecForge at our lr, TTT length, warm-up and draft vocabulary; ``tuned`` (once
-    bench/peer_sweep.py wrote ``WORK/tuned.json``): each at its own defaults but the lr and TTT length it did best
-    with."""
+def settings_rows(recipe: dict, work: Path) -> dict[str, tuple[list[str], dict[str, dict]]]:
+    """The comparison's rows: per name, our recipe's overrides and each peer's settings. ``defaults``: each trainer
+    at its own; ``matched``: the peers at our lr, TTT length and draft vocabulary (SpecForge at our warm-up too);
+    ``tuned`` (once bench/peer_sweep.py wrote ``WORK/tuned.json``): each at its own defaults but the lr and TTT
+    length it did best with."""
     t = recipe["train"]
-    rows = {"defaults": ([], SPECFORGE),
-            "matched": ([], {"lr": t["lr"], "ttt_length": t["unroll"], "warmup_steps": t["warmup_steps"],
-                             "vocab": "ours", "workers": WORKERS})}
+    matched = {peer: with_point(peer, {**settings, "vocab": "ours"}, t["lr"], t["unroll"])
+               for peer, settings in PEERS.items()}
+    matched["specforge"] = {**matched["specforge"], "warmup_steps": t["warmup_steps"], "workers": WORKERS}
+    matched["specforge"].pop("warmup_ratio")
+    rows = {"defaults": ([], dict(PEERS)), "matched": ([], matched)}
     if (work / "tuned.json").is_file():
         best = json.loads((work / "tuned.json").read_text())
-        ours, theirs = best["ours"], best["specforge"]
-        rows["tuned"] = ([f"train.lr={ours['lr']}", f"train.unroll={ours['ttt']}"],
-                         {**SPECFORGE, "lr": theirs["lr"], "ttt_length": theirs["ttt"]})
+        rows["tuned"] = ([f"train.lr={best['ours']['lr']}", f"train.unroll={best['ours']['ttt']}"], {
+            peer: with_point(peer, settings, best[peer]["lr"], best[peer]["ttt"])
+            for peer, settings in PEERS.items() if peer in best})
     return rows
-
-
-def ours_name(overrides: list[str]) -> str:
-    """Our run's directory in a cell: ``ours`` for the recipe as it is, else named by its overrides' hash."""
-    return "ours-" + hashlib.sha256("\n".join(overrides).encode()).hexdigest()[:8] if overrides else "ours"
-
-
-def our_recipe(cell: Path, steps: int, overrides: list[str] | None = None, seed: int | None = None,
-               name: str = "ours") -> Path:
-    """recipes/smollm2.yaml with an eagle3 head on the cell's conversations as written, no held-out rows, into
-    ``CELL/NAME``; then ``overrides`` as the CLI takes them (``["train.mask_gate=input"]``); ``seed`` replaces the
-    recipe's."""
-    recipe = base_recipe()
-    recipe["seed"] = recipe["seed"] if seed is None else seed
-    recipe["output_dir"] = str(cell / name)
-    recipe["data"].update(train=str(cell / "conversations.jsonl"), format="openai", max_rows=None, heldout_rows=0,
-                          regenerate=False)
-    recipe["head"]["kind"] = "eagle3"
-    recipe["eval"]["compare"] = []  # train no baseline heads beside it
-    recipe["train"].update(max_steps=steps, val_every=10**6, save_every=10**6, wandb_mode="disabled")
-    recipe = apply_overrides(recipe, overrides or [])
-    path = cell / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
-    return path
-
-
-def train_ours(cell: Path, steps: int, overrides: list[str] | None = None, seed: int | None = None,
-               name: str = "ours") -> dict:
-    """Precompute, train and export our head into ``CELL/NAME`` and ``CELL/NAME-vllm``; its cost (steps, tokens,
-    tokens/s, bytes per token)."""
-    recipe, log, head = our_recipe(cell, steps, overrides, seed, name), cell / f"{name}.log", cell / f"{name}-vllm"
-    for stage in ("precompute", "train"):
-        run([*MTP_TRAIN, stage, str(recipe)], log)
-    if not (head / "config.json").is_file():
-        run([*MTP_TRAIN, "export", str(recipe), "--format", "vllm", "--out", str(head)], log)
-    records = [json.loads(line) for line in (cell / name / "train_log.eagle3.jsonl").read_text().splitlines()]
-    features = cell / name / "features"  # every file counts: shards, indexes, manifests
-    stored = json.loads((features / "manifest.json").read_text())
-    tokens = sum(r["tokens"] for r in records)
-    return {"steps": len(records), "tokens_trained": tokens, "tokens_per_s": tokens / sum(r["step_s"] for r in records),
-            "bytes_per_token": sum(f.stat().st_size for f in features.iterdir()) / stored["totals"]["tokens"]}
-
-
-def peer_inputs(cell: Path, ours: str = "ours") -> tuple[Path, Path, float]:
-    """Our stored token ids and loss masks (of our run ``CELL/OURS``) as SpecForge's JSONL input, our draft vocabulary
-    as its mapping, and the mean conversation length."""
-    from safetensors.torch import load_file, save_file
-
-    from mtp_train.features.reader import FeatureReader
-
-    reader = FeatureReader(cell / ours / "features")
-    tokens, lengths = cell / "tokens.jsonl", []
-    with open(tokens, "w") as f:
-        for ref in reader.train:
-            rows = reader.load(ref)
-            lengths.append(len(rows["input_ids"]))
-            f.write(json.dumps({k: rows[k].tolist() for k in ("input_ids", "loss_mask")}) + "\n")
-    head = load_file(cell / f"{ours}-vllm" / "model.safetensors")
-    vocab = cell / "vocab.safetensors"
-    save_file({"d2t": head["d2t"], "t2d": head["t2d"]}, vocab)
-    return tokens, vocab, sum(lengths) / len(lengths)
-
-
-def train_specforge(cell: Path, ours: dict, recipe: dict, settings: dict, threads: int, seed: int,
-                    name: str = "specforge", ours_name: str = "ours") -> dict:
-    """SpecForge into ``CELL/NAME`` on the token ids and masks of our run ``CELL/OURS_NAME`` (``ours``: its cost), as
-    many optimizer steps as ours took, each of as many rows as carry our mean tokens per step; ``settings``: its
-    lr, TTT length, warm-up and vocabulary (``"vocab": "ours"``: our draft vocabulary; ``None``: SpecForge's own), as
-    :data:`SPECFORGE` names them. Its result.json."""
-    out = cell / name
-    tokens, vocab, mean_len = peer_inputs(cell, ours_name)
-    batch = max(1, round(ours["tokens_trained"] / (ours["steps"] * mean_len)))
-    job = {"target": recipe["target"]["path"], "tokens": str(tokens), "max_length": recipe["data"]["max_length"],
-           **settings, "vocab": str(vocab) if settings["vocab"] == "ours" else None,
-           "total_steps": ours["steps"], "batch_size": batch, "seed": seed, "threads": threads, "out": str(out),
-           "tokens_sha256": hashlib.sha256(tokens.read_bytes()).hexdigest()}  # the same paths may hold new rows
-    done, asked = out / "result.json", cell / f"{name}-job.json"
-    if not done.is_file() or json.loads(done.read_text())["job"] != job:
-        asked.write_text(json.dumps(job, indent=1))
-        run([str(PEERS_PYTHON), str(REPO / "bench" / "peers" / "specforge_run.py"), str(asked)], cell / f"{name}.log")
-    return json.loads(done.read_text())
 
 
 def prompt_sets(data: str, n: int, regen_rows: int) -> dict[str, list[list[int]]]:
@@ -307,18 +162,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4])
     parser.add_argument("--prompts", type=int, default=16, help="prompts per scoring set")
     parser.add_argument("--new-tokens", type=int, default=48)
-    parser.add_argument("--threads", type=int, default=2, help="SpecForge's torch threads (ours: the recipe's)")
+    parser.add_argument("--threads", type=int, default=2, help="the peers' torch threads (ours: the recipe's)")
     parser.add_argument("--work", type=Path, default=REPO / "runs" / "peers")
     parser.add_argument("--regen-rows", type=int, default=1280, help="Dolly rows regenerated once (at least rows × "
                         "the largest scale); the held-out prompts come after them")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="training seeds, both trainers")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="training seeds, every trainer")
     parser.add_argument("--settings", nargs="+", default=["defaults"], choices=("defaults", "matched", "tuned"),
-                        help="rows: each trainer at its own defaults; SpecForge at our settings; each at its best "
+                        help="rows: each trainer at its own defaults; the peers at our settings; each at its best "
                         "lr and TTT length (bench/peer_sweep.py)")
+    parser.add_argument("--peers", nargs="+", default=list(PEERS), choices=list(PEERS))
     parser.add_argument("--reuse", action="store_true", help="keep runs whose key matches (default: from scratch)")
     args = parser.parse_args(argv)
     print(machine_line(), flush=True)
-    for python, make in ((VLLM_PYTHON, "vllm"), (PEERS_PYTHON, "peers")):
+    for python, make in [(VLLM_PYTHON, "vllm")] + [RUNNERS[peer] for peer in args.peers]:
         if not python.is_file():
             sys.exit(f"peer_parity: {python} not found; run `make {make}` first")
     args.work = args.work.resolve()
@@ -327,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     known = settings_rows(recipe, args.work)
     if "tuned" in args.settings and "tuned" not in known:
         sys.exit(f"peer_parity: --settings tuned reads {args.work / 'tuned.json'}; run bench/peer_sweep.py first")
-    rows = {name: known[name] for name in args.settings}
+    rows = {name: (known[name][0], {peer: known[name][1][peer] for peer in args.peers}) for name in args.settings}
     regen_rows = max(args.regen_rows, args.rows * max(args.scales))
     shared = {"recipe": recipe, "target": dir_digest(Path(recipe["target"]["path"])), "code": code_digest(),
               "regen_rows": regen_rows, "threads": args.threads}
@@ -354,40 +210,42 @@ def main(argv: list[str] | None = None) -> int:
                     mine = ours_name(overrides)
                     if mine not in ours_runs:
                         ours_runs[mine] = train_ours(cell, args.steps * scale, overrides, seed, mine)
-                    peer = f"specforge-{setting}"
-                    cells[setting][run_name] = {"ours": ours_runs[mine], "specforge": train_specforge(
-                        cell, ours_runs[mine], recipe, theirs, args.threads, seed, peer, mine)}
-                    scores[setting][run_name] = score(cell, job, plain, args.k, {
-                        "ours": cell / f"{mine}-vllm", "specforge": cell / peer / "vllm"})
+                    cells[setting][run_name] = {"ours": ours_runs[mine], **{peer: train_peer(
+                        peer, cell, ours_runs[mine], recipe, settings, args.threads, seed, f"{peer}-{setting}", mine)
+                        for peer, settings in theirs.items()}}
+                    heads = {"ours": cell / f"{mine}-vllm", **{p: cell / f"{p}-{setting}" / "vllm" for p in theirs}}
+                    scores[setting][run_name] = score(cell, job, plain, args.k, heads)
                 print(f"peer_parity: {run_name} done", flush=True)
     report(cells, scores, rows, args)
     return 0
 
 
 def report(cells: dict, scores: dict, rows: dict, args: argparse.Namespace) -> None:
-    """Per row of settings: the tables, the goals at k = 3 and the cost ratios; then the differences that remain;
-    the numbers into WORK/peer_parity.json."""
+    """Per row of settings: the tables, the goals at k = 3 and the cost ratios against each peer; then the
+    differences that remain; the numbers into WORK/peer_parity.json."""
     goal_k = 3 if 3 in args.k else max(args.k)
     for setting, (overrides, theirs) in rows.items():
-        print(f"\n### {setting}: ours {' '.join(overrides) or 'as recipes/smollm2.yaml'}; SpecForge {theirs}\n")
-        print(ACCEPTANCE_HEADER)
+        print(f"\n### {setting}: ours {' '.join(overrides) or 'as recipes/smollm2.yaml'}; {theirs}\n")
+        print(acceptance_header(list(theirs)))
         for name, s in scores[setting].items():
             print("\n".join(acceptance_rows(name, s, args.k)))
         print()
         print("\n".join(cost_rows(cells[setting])))
         print(f"\nGoals at k = {goal_k}, pooled over cells and seeds (ahead: by more than 2 standard errors):")
-        for line, said in goal_rows(scores[setting], goal_k):
-            print(f"- {said}: {line}")
-        for what, better_high in (("tokens_per_s", True), ("bytes_per_token", False)):
-            ratios = [c["ours"][what] / c["specforge"][what] for c in cells[setting].values()]
-            print(f"- {what}, ours ÷ SpecForge: {min(ratios):.2f}–{max(ratios):.2f} over {len(ratios)} runs "
-                  f"({'higher' if better_high else 'lower'} is ours ahead)")
-    print("\nDifferences between the two trainers that remain:")
-    for line in DIFFERENCES + sorted({n for c in cells.values() for r in c.values() for n in r["specforge"].get(
-            "notes", [])}):
+        for peer in theirs:
+            for line, said in goal_rows(scores[setting], goal_k, peer):
+                print(f"- {said}: {line}")
+            for what, better_high in (("tokens_per_s", True), ("bytes_per_token", False)):
+                ratios = [c["ours"][what] / c[peer][what] for c in cells[setting].values()]
+                print(f"- {what}, ours ÷ {peer}: {min(ratios):.2f}–{max(ratios):.2f} over {len(ratios)} runs "
+                      f"({'higher' if better_high else 'lower'} is ours ahead)")
+    print("\nDifferences between the trainers that remain:")
+    notes = {n for c in cells.values() for r in c.values() for t, v in r.items() if t != "ours" for n in v["notes"]}
+    for line in DIFFERENCES + sorted(notes):
         print(f"- {line}")
     (args.work / "peer_parity.json").write_text(json.dumps({"cells": cells, "scores": scores, "rows": rows, "args": {
         k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}, indent=1))
+
 
 if __name__ == "__main__":
     sys.exit(main())

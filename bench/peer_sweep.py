@@ -1,17 +1,17 @@
 """Each trainer at its best for bench/peer_parity.py's ``tuned`` row: learning rate × TTT length, the same grid for
-both, trained on one cell (SGD as written, scale 1, seed 0) and chosen by vLLM's mean acceptance length at k = 3 on a
-validation split, SGD training dialogues that no cell trains on.
+every trainer, trained on one cell (SGD as written, scale 1, seed 0) and chosen by vLLM's mean acceptance length at
+k = 3 on a validation split, SGD training dialogues that no cell trains on.
 
-    make smollm2 vllm peers
+    make smollm2 vllm peers speculators
     .venv/bin/python bench/peer_sweep.py [--lr 1e-4 3e-4 1e-3 3e-3] [--ttt 2 7]
     .venv/bin/python bench/peer_parity.py --settings defaults tuned
 
-At each grid point: ours is recipes/smollm2.yaml with ``train.lr`` and ``train.unroll`` set; SpecForge is at its own
-defaults (warm-up ratio, its own 32k draft vocabulary) with that lr and ``ttt_length``, at our number of optimizer
-steps and tokens per step, as in peer_parity. Each keeps its other defaults. The validation prompts are the first
-user turns of SGD training dialogues from row ``--rows`` × 4 on (peer_parity's largest cell trains on rows below
-that), ``--prompts`` of them. Writes ``WORK/tuned.json`` (each trainer's best point and the whole grid) and prints
-the grid. Like peer_parity: from scratch unless ``--reuse``.
+At each grid point: ours is recipes/smollm2.yaml with ``train.lr`` and ``train.unroll`` set; each peer is at its own
+defaults (SpecForge: its warm-up ratio and 32k draft vocabulary; speculators: Muon, the full vocabulary) with that
+lr and TTT length, at our number of optimizer steps and tokens per step, as in peer_parity. The validation prompts
+are the first user turns of SGD training dialogues from row ``--rows`` × 4 on (peer_parity's largest cell trains on
+rows below that), ``--prompts`` of them. Writes ``WORK/tuned.json`` (each trainer's best point and the whole grid)
+and prints the grid. Like peer_parity: from scratch unless ``--reuse``.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ sys.path.insert(0, str(REPO))
 from bench.machine import machine_line  # noqa: E402
 
 import peer_parity as pp  # noqa: E402
+import peer_runs as pr  # noqa: E402
 from peer_table import pooled  # noqa: E402
 
 K = 3
@@ -42,19 +43,23 @@ def validation_prompts(first_row: int, n: int) -> dict[str, list[list[int]]]:
     from mtp_train.eval.prompts import load_prompt_set, render_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(REPO / ".cache" / "smollm2-135m-instruct")
-    rows = [r for r in load_rows([pp.SGD], "sharegpt", False, first_row + 4 * n).rows if r.row_id >= first_row]
+    rows = [r for r in load_rows([pr.SGD], "sharegpt", False, first_row + 4 * n).rows if r.row_id >= first_row]
     prompts = load_prompt_set("heldout", heldout_rows=rows, max_prompts=n)
     return {"validation": [render_prompt(tokenizer, p.messages) for p in prompts]}
 
 
-def grid_point(cell: Path, recipe: dict, lr: float, ttt: int, steps: int, threads: int) -> dict[str, Path]:
-    """Both trainers at one point of the grid (seed 0); their exported heads."""
+def grid_point(cell: Path, recipe: dict, lr: float, ttt: int, steps: int, threads: int, peers: list[str]
+               ) -> dict[str, Path]:
+    """Every trainer at one point of the grid (seed 0); their exported heads."""
     overrides = [f"train.lr={lr}", f"train.unroll={ttt}"]
-    mine = pp.ours_name(overrides)
-    ours = pp.train_ours(cell, steps, overrides, 0, mine)
-    peer = f"specforge-lr{lr:g}-ttt{ttt}"
-    pp.train_specforge(cell, ours, recipe, {**pp.SPECFORGE, "lr": lr, "ttt_length": ttt}, threads, 0, peer, mine)
-    return {"ours": cell / f"{mine}-vllm", "specforge": cell / peer / "vllm"}
+    mine = pr.ours_name(overrides)
+    ours = pr.train_ours(cell, steps, overrides, 0, mine)
+    heads = {"ours": cell / f"{mine}-vllm"}
+    for peer in peers:
+        name = f"{peer}-lr{lr:g}-ttt{ttt}"
+        pr.train_peer(peer, cell, ours, recipe, pr.with_point(peer, pp.PEERS[peer], lr, ttt), threads, 0, name, mine)
+        heads[peer] = cell / name / "vllm"
+    return heads
 
 
 def best(grid: list[dict], trainer: str) -> dict:
@@ -73,28 +78,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--work", type=Path, default=REPO / "runs" / "peers")
+    parser.add_argument("--peers", nargs="+", default=list(pp.PEERS), choices=list(pp.PEERS))
     parser.add_argument("--reuse", action="store_true", help="keep runs whose key matches (default: from scratch)")
     args = parser.parse_args(argv)
     print(machine_line(), flush=True)
-    for python, make in ((pp.VLLM_PYTHON, "vllm"), (pp.PEERS_PYTHON, "peers")):
+    for python, make in [(pr.VLLM_PYTHON, "vllm")] + [pr.RUNNERS[peer] for peer in args.peers]:
         if not python.is_file():
             sys.exit(f"peer_sweep: {python} not found; run `make {make}` first")
     work = args.work.resolve()
-    recipe = pp.base_recipe()
+    recipe = pr.base_recipe()
     sets = validation_prompts(args.rows * 4, args.prompts)
     job = pp.scoring_job(recipe, sets, args.new_tokens, K)
     text = "".join(json.dumps(c) + "\n" for c in pp.conversations("sgd", args.rows, work, args.rows))
-    key = {"recipe": recipe, "target": pp.dir_digest(Path(recipe["target"]["path"])), "code": pp.code_digest(
-        pp.CODE + ["bench/peer_sweep.py"]), "conversations": hashlib.sha256(text.encode()).hexdigest(),
-        "steps": args.steps, "threads": args.threads, "scoring": job, "specforge": pp.SPECFORGE}
+    key = {"recipe": recipe, "target": pr.dir_digest(Path(recipe["target"]["path"])), "code": pr.code_digest(
+        pr.CODE + ["bench/peer_sweep.py"]), "conversations": hashlib.sha256(text.encode()).hexdigest(),
+        "steps": args.steps, "threads": args.threads, "scoring": job, "peers": {p: pp.PEERS[p] for p in args.peers}}
     cell = work / "sweep-sgd-1x-s0"
-    pp.fresh(cell, key, args.reuse)
+    pr.fresh(cell, key, args.reuse)
     (cell / "conversations.jsonl").write_text(text)
     plain = pp.served({**job, "head": None}, cell, "vllm-plain")
     grid = []
     for lr in args.lr:
         for ttt in args.ttt:
-            heads = grid_point(cell, recipe, lr, ttt, args.steps, args.threads)
+            heads = grid_point(cell, recipe, lr, ttt, args.steps, args.threads, args.peers)
             scores = pp.score(cell, job, plain, [K], heads)
             point = {"lr": lr, "ttt": ttt}
             for trainer, by_k in scores.items():
@@ -102,18 +108,18 @@ def main(argv: list[str] | None = None) -> int:
                 point[trainer] = {"alpha1": round(a.alphas[0], 4), "mal": round(a.mal, 4), "drafts": a.drafts,
                                   "lossless": all(r["lossless"] for r in by_k[K].values())}
             grid.append(point)
-            print(f"peer_sweep: lr {lr:g}, TTT {ttt}: MAL ours {point['ours']['mal']:.3f}, SpecForge "
-                  f"{point['specforge']['mal']:.3f}", flush=True)
-    tuned = {"ours": best(grid, "ours"), "specforge": best(grid, "specforge"), "k": K, "grid": grid, "key": key}
+            print(f"peer_sweep: lr {lr:g}, TTT {ttt}: MAL " + ", ".join(f"{t} {point[t]['mal']:.3f}" for t in heads),
+                  flush=True)
+    trainers = ["ours", *args.peers]
+    tuned = {**{t: best(grid, t) for t in trainers}, "k": K, "grid": grid, "key": key}
     (work / "tuned.tmp").write_text(json.dumps(tuned, indent=1))
     os.replace(work / "tuned.tmp", work / "tuned.json")
-    print("\n| lr | TTT | ours α_1 | ours MAL | SpecForge α_1 | SpecForge MAL | lossless |")
-    print("|---:|---:|---:|---:|---:|---:|---|")
+    print("\n| lr | TTT | " + " | ".join(f"{t} α_1 | {t} MAL" for t in trainers) + " | lossless |")
+    print("|---:|---:|" + "---:|---:|" * len(trainers) + "---|")
     for g in grid:
-        o, s = g["ours"], g["specforge"]
-        print(f"| {g['lr']:g} | {g['ttt']} | {o['alpha1']:.3f} | {o['mal']:.3f} | {s['alpha1']:.3f} | {s['mal']:.3f} | "
-              f"{'yes' if o['lossless'] and s['lossless'] else 'NO'} |")
-    for trainer in ("ours", "specforge"):
+        cells = " | ".join(f"{g[t]['alpha1']:.3f} | {g[t]['mal']:.3f}" for t in trainers)
+        print(f"| {g['lr']:g} | {g['ttt']} | {cells} | {'yes' if all(g[t]['lossless'] for t in trainers) else 'NO'} |")
+    for trainer in trainers:
         b = tuned[trainer]
         print(f"- best for {trainer}: lr {b['lr']:g}, TTT {b['ttt']} (MAL {b['mal']:.3f} at k = {K})")
     return 0

@@ -78,28 +78,33 @@ def verdict(differences: list[float]) -> tuple[float, float, str]:
     return mean, se, "ahead" if mean > 2 * se else "behind" if mean < -2 * se else "level"
 
 
-def acceptance_rows(cell: str, scores: dict, ks: list[int]) -> list[str]:
-    """Markdown rows for one cell: per prompt set and k, α_1..α_k and MAL of both heads, lossless or not.
+def acceptance_rows(run: str, scores: dict, ks: list[int]) -> list[str]:
+    """Markdown rows for one run (a cell at one seed): per prompt set and k, each trainer's α_1..α_k and MAL ± SE,
+    ours first, then whether every speculative output was lossless.
 
     ``scores[trainer][k][set]`` = ``{"counts": ..., "lossless": bool}``.
     """
     rows = []
     for name in scores["ours"][ks[0]]:
         for k in ks:
-            a, b = (from_counts(scores[t][k][name]["counts"]) for t in ("ours", "specforge"))
-            lossless = all(scores[t][k][name]["lossless"] for t in ("ours", "specforge"))
-            rows.append(f"| {cell} | {name} | {k} | {' / '.join(f'{x:.3f}' for x in a.alphas)} | "
-                        f"{' / '.join(f'{x:.3f}' for x in b.alphas)} | {a.mal:.3f} ± {a.se_mal:.3f} | "
-                        f"{b.mal:.3f} ± {b.se_mal:.3f} | {a.drafts} / {b.drafts} | {'yes' if lossless else 'NO'} |")
+            heads = [from_counts(scores[t][k][name]["counts"]) for t in scores]
+            lossless = all(scores[t][k][name]["lossless"] for t in scores)
+            rows.append(f"| {run} | {name} | {k} | " + " | ".join(' / '.join(f'{x:.3f}' for x in a.alphas)
+                                                               for a in heads)
+                        + " | " + " | ".join(f"{a.mal:.3f} ± {a.se_mal:.3f}" for a in heads)
+                        + f" | {' / '.join(str(a.drafts) for a in heads)} | {'yes' if lossless else 'NO'} |")
     return rows
 
 
-ACCEPTANCE_HEADER = ("| data × scale | prompts | k | ours α_1..α_k | SpecForge α_1..α_k | ours MAL ± SE | "
-                     "SpecForge MAL ± SE | drafts (ours / SpecForge) | lossless |\n"
-                     "|---|---|---:|---|---|---:|---:|---:|---|")
+def acceptance_header(peers: list[str]) -> str:
+    """The header of :func:`acceptance_rows`' table for ours and ``peers``."""
+    trainers = ["ours", *peers]
+    return ("| run | prompts | k | " + " | ".join(f"{t} α_1..α_k" for t in trainers) + " | "
+            + " | ".join(f"{t} MAL ± SE" for t in trainers) + f" | drafts ({' / '.join(trainers)}) | lossless |\n"
+            + "|---|---|---:|" + "---|" * len(trainers) + "---:|" * len(trainers) + "---:|---|")
 
 
-def goal_rows(scores: dict, k: int, peer: str = "specforge") -> list[tuple[str, str]]:
+def goal_rows(scores: dict, k: int, peer: str) -> list[tuple[str, str]]:
     """The goal at ``k``, pooled over cells and seeds: ours ahead of ``peer`` by more than 2 standard errors in α_1 and
     in MAL. Returns ``(line, verdict)`` per measure."""
     out = []
@@ -111,12 +116,11 @@ def goal_rows(scores: dict, k: int, peer: str = "specforge") -> list[tuple[str, 
 
 
 def cost_rows(cells: dict) -> list[str]:
-    """Markdown rows: each trainer's tokens trained, training tokens/s and feature bytes per token, per cell."""
-    rows = ["| data × scale | trainer | steps | tokens trained | training tokens/s | feature bytes/token |",
+    """Markdown rows: each trainer's steps, tokens trained, training tokens/s and feature bytes per token, per run."""
+    rows = ["| run | trainer | steps | tokens trained | training tokens/s | feature bytes/token |",
             "|---|---|---:|---:|---:|---:|"]
-    for cell, c in cells.items():
-        for trainer in ("ours", "specforge"):
-            r = c[trainer]
-            rows.append(f"| {cell} | {'mtp-train' if trainer == 'ours' else 'SpecForge'} | {r['steps']} | "
+    for run, c in cells.items():
+        for trainer, r in c.items():
+            rows.append(f"| {run} | {'mtp-train' if trainer == 'ours' else trainer} | {r['steps']} | "
                         f"{r['tokens_trained']:,} | {r['tokens_per_s']:,.0f} | {r['bytes_per_token']:,.0f} |")
     return rows

@@ -12,28 +12,29 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
 import peer_parity as pp  # noqa: E402
+import peer_runs as pr  # noqa: E402
 from peer_table import goal_rows, paired_differences, pooled, verdict  # noqa: E402
 
 
 def test_a_run_is_kept_only_when_reuse_is_asked_and_its_key_matches(tmp_path: Path) -> None:
     run = tmp_path / "sgd-1x-s0"
     key = {"conversations": "ab", "seed": 0, "code": "c1"}
-    assert pp.fresh(run, key, reuse=True)  # nothing there yet
+    assert pr.fresh(run, key, reuse=True)  # nothing there yet
     (run / "ours").mkdir()
-    assert not pp.fresh(run, dict(key), reuse=True) and (run / "ours").is_dir()
-    assert pp.fresh(run, key, reuse=False) and not (run / "ours").exists()  # the default: from scratch
+    assert not pr.fresh(run, dict(key), reuse=True) and (run / "ours").is_dir()
+    assert pr.fresh(run, key, reuse=False) and not (run / "ours").exists()  # the default: from scratch
     (run / "ours").mkdir()
-    assert pp.fresh(run, {**key, "code": "c2"}, reuse=True) and not (run / "ours").exists()  # changed code
+    assert pr.fresh(run, {**key, "code": "c2"}, reuse=True) and not (run / "ours").exists()  # changed code
     assert sorted(p.name for p in run.iterdir()) == ["key.json"]
 
 
 def test_a_directory_digest_follows_every_file_it_holds(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors").write_bytes(b"weights")
     (tmp_path / "config.json").write_text("{}")
-    before = pp.dir_digest(tmp_path)
-    assert pp.dir_digest(tmp_path) == before
+    before = pr.dir_digest(tmp_path)
+    assert pr.dir_digest(tmp_path) == before
     (tmp_path / "model.safetensors").write_bytes(b"weightz")  # a new head at the same path
-    assert pp.dir_digest(tmp_path) != before
+    assert pr.dir_digest(tmp_path) != before
 
 
 def _counts(drafts: int, accepted: list[int]) -> dict:
@@ -51,7 +52,7 @@ def test_counters_pool_over_prompt_sets_and_runs_pair_by_cell_and_seed() -> None
     diffs = paired_differences(scores, 3, "specforge")
     assert [round(d, 6) for d in diffs["alpha1"]] == [0.05, 0.055, 0.06]
     assert [round(d, 6) for d in diffs["mal"]] == [0.05, 0.05, 0.05]
-    said = dict((line.split(" at")[0], v) for line, v in goal_rows(scores, 3))
+    said = dict((line.split(" at")[0], v) for line, v in goal_rows(scores, 3, "specforge"))
     assert said == {"alpha1": "ahead", "mal": "ahead"}
 
 
@@ -73,5 +74,10 @@ def test_the_tuned_row_gives_each_trainer_its_own_best_point(tmp_path: Path) -> 
     assert tuned == {"ours": {"lr": 1e-3, "ttt": 2, "mal": 1.6}, "specforge": {"lr": 1e-4, "ttt": 7, "mal": 1.5}}
     (tmp_path / "tuned.json").write_text(json.dumps(tuned))
     rows = pp.settings_rows(recipe, tmp_path)
-    assert rows["tuned"] == (["train.lr=0.001", "train.unroll=2"], {**pp.SPECFORGE, "lr": 1e-4, "ttt_length": 7})
-    assert rows["defaults"][1]["vocab"] is None and rows["matched"][1]["vocab"] == "ours"
+    assert rows["tuned"] == (["train.lr=0.001", "train.unroll=2"],
+                             {"specforge": {**pr.SPECFORGE, "lr": 1e-4, "ttt_length": 7}})  # speculators not swept
+    assert rows["defaults"][1] == {"specforge": pr.SPECFORGE, "speculators": pr.SPECULATORS}
+    matched = rows["matched"][1]
+    assert matched["specforge"]["vocab"] == matched["speculators"]["vocab"] == "ours"
+    assert (matched["specforge"]["ttt_length"], matched["speculators"]["ttt_steps"]) == (2, 2)
+    assert matched["specforge"]["warmup_steps"] == 10 and "warmup_ratio" not in matched["specforge"]
