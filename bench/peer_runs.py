@@ -117,7 +117,8 @@ def our_recipe(cell: Path, steps: int, overrides: list[str] | None = None, seed:
                           regenerate=False)
     recipe["head"]["kind"] = "eagle3"
     recipe["eval"]["compare"] = []  # train no baseline heads beside it
-    recipe["train"].update(max_steps=steps, val_every=10**6, save_every=10**6, wandb_mode="disabled")
+    recipe["train"].update(max_steps=steps, val_every=10**6, save_every=10**6, wandb_mode="disabled",
+                           tau_every=0)  # (no held-out rows here: the comparison scores in vLLM)
     recipe = apply_overrides(recipe, overrides or [])
     path = cell / f"{name}.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))

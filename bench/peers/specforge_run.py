@@ -98,8 +98,10 @@ def run_config(job: dict, features: Path, vocab_mapping: Path | None, tied: bool
     """SpecForge's run YAML for one offline, single-process, fp32 CPU run of exactly ``total_steps`` steps (with no
     ``vocab_mapping``, SpecForge derives its own from the features)."""
     steps = job["total_steps"]
-    # SpecForge takes a ratio and warms up int(ratio * total) steps.
-    ratio = job["warmup_ratio"] if "warmup_ratio" in job else min(1.0, (job["warmup_steps"] + 1e-6) / steps)
+    # SpecForge takes a ratio and warms up int(ratio * total) steps; its cosine after the warm-up divides by the steps
+    # left, so at least one is left.
+    ratio = job["warmup_ratio"] if "warmup_ratio" in job else min((steps - 1 + 1e-6) / steps,
+                                                                  (job["warmup_steps"] + 1e-6) / steps)
     rows = sum(1 for _ in features.rglob("*.ckpt"))
     epochs = math.ceil(steps / max(1, rows // job["batch_size"]))
     return {
