@@ -55,11 +55,8 @@ def run(cmd: list[str], log: Path, env: dict | None = None) -> None:
 
 def sha256_of(path: Path) -> str:
     """The sha256 of a file's bytes."""
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def code_digest(paths: list[str] = CODE) -> str:

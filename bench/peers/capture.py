@@ -13,6 +13,7 @@ One file per conversation, ``rows_{a}-{b}/data_{i}.ckpt`` as SpecForge's script 
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -80,3 +81,16 @@ def write_features(model: Any, rows: list[dict], out_dir: str | Path, max_length
         total_bytes += path.stat().st_size
         tokens += int(ids.numel())
     return total_bytes, tokens
+
+
+def read_rows(path: str | Path, max_length: int) -> list[dict]:
+    """The tokenized conversations of a JSONL file (``{"input_ids": [...], "loss_mask": [...]}`` per line), each cut
+    to ``max_length`` tokens (ids and mask alike); a row whose two lists differ in length stops the run."""
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            if len(row["input_ids"]) != len(row["loss_mask"]):
+                raise SystemExit(f"{path}: input_ids and loss_mask differ in length")
+            rows.append({k: row[k][:max_length] for k in ("input_ids", "loss_mask")})
+    return rows

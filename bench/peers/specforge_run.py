@@ -38,6 +38,8 @@ from typing import Any
 import torch
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from capture import read_rows, write_features  # noqa: E402  (bench/peers/capture.py: torch only at import)
 FIELDS = ("target", "tokens", "vocab", "max_length", "ttt_length", "lr", "total_steps", "batch_size", "seed",
           "threads", "out")
 DRAFT_VOCAB = 32000  # SpecForge's default draft vocabulary (its Llama-3 8B draft config)
@@ -56,24 +58,10 @@ def load_job(path: str) -> dict:
     return job
 
 
-def read_rows(path: str, max_length: int) -> list[dict]:
-    """The tokenized conversations, each cut to ``max_length`` tokens (ids and mask alike)."""
-    rows = []
-    for line in Path(path).read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            if len(row["input_ids"]) != len(row["loss_mask"]):
-                raise SystemExit(f"{path}: input_ids and loss_mask differ in length")
-            rows.append({k: row[k][:max_length] for k in ("input_ids", "loss_mask")})
-    return rows
-
-
 def capture_features(job: dict, rows: list[dict], out: Path) -> tuple[int, int, float]:
     """Target forward over every row into ``out`` (fp32, the training dtype). Returns (bytes, tokens, seconds)."""
     from transformers import AutoModelForCausalLM
 
-    sys.path.insert(0, str(HERE))
-    from capture import write_features
 
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(job["target"], dtype=torch.float32).eval()

@@ -37,6 +37,9 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from capture import read_rows  # noqa: E402  (bench/peers/capture.py: torch only at import)
+
 FIELDS = "target tokens vocab max_length ttt_steps lr total_steps seq_len seed threads out".split()
 
 
@@ -49,18 +52,6 @@ def load_job(path: str) -> dict:
     for key in ("out", "target", "tokens", "vocab"):  # absolute: the run works in OUT
         job[key] = job[key] and str(Path(job[key]).resolve())
     return job
-
-
-def read_rows(path: str, max_length: int) -> list[dict]:
-    """The tokenized conversations, each cut to ``max_length`` tokens (ids and mask alike)."""
-    rows = []
-    for line in Path(path).read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            if len(row["input_ids"]) != len(row["loss_mask"]):
-                raise SystemExit(f"{path}: input_ids and loss_mask differ in length")
-            rows.append({k: row[k][:max_length] for k in ("input_ids", "loss_mask")})
-    return rows
 
 
 def aux_layer_ids(num_layers: int) -> list[int]:
