@@ -75,3 +75,19 @@ def save_random_model(family: str, root: Path, seed: int = 0, max_shard_size: st
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(root, **kwargs)
     return model
+
+
+def peer_inputs(directory: Path) -> tuple[Path, Path]:
+    """What the peer runners' tests train on (bench/peers/): 4 rows of 40 ids below 128, the first 10 masked out, as
+    ``tokens.jsonl``, and a 64-id draft vocabulary (the even ids) as ``vocab.safetensors`` (d2t, t2d)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    rows = [{"input_ids": [(7 * i + j) % 128 for j in range(40)], "loss_mask": [0] * 10 + [1] * 30} for i in range(4)]
+    (directory / "tokens.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    used = torch.arange(0, 128, 2)
+    t2d = torch.zeros(128, dtype=torch.bool)
+    t2d[used] = True
+    save_file({"d2t": used - torch.arange(64), "t2d": t2d}, directory / "vocab.safetensors")
+    return directory / "tokens.jsonl", directory / "vocab.safetensors"

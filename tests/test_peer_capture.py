@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_models import peer_inputs
 
 REPO = Path(__file__).resolve().parents[1]
 PEERS_PYTHON = REPO / ".venv-peers" / "bin" / "python"
@@ -79,16 +80,11 @@ def test_write_features_is_specforge_offline_layout(tmp_path: Path) -> None:
 @pytest.mark.skipif(not PEERS_PYTHON.exists(), reason="no .venv-peers (make peers)")
 def test_specforge_run_trains_and_exports(tmp_path: Path) -> None:
     from safetensors import safe_open
-    from safetensors.torch import save_file
+    from safetensors.torch import load_file
 
     target = tmp_path / "target"
     _tiny_llama(layers=8, vocab=128).save_pretrained(target)  # aux layers [1, 3, 4]: distinct
-    rows = [{"input_ids": [(7 * i + j) % 128 for j in range(40)], "loss_mask": [0] * 10 + [1] * 30} for i in range(4)]
-    (tmp_path / "tokens.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    used = torch.arange(0, 128, 2)  # a 64-id draft vocabulary: the even ids
-    t2d = torch.zeros(128, dtype=torch.bool)
-    t2d[used] = True
-    save_file({"d2t": used - torch.arange(64), "t2d": t2d}, tmp_path / "vocab.safetensors")
+    peer_inputs(tmp_path)  # tokens.jsonl, vocab.safetensors (a 64-id draft vocabulary)
     job = {"target": str(target), "tokens": str(tmp_path / "tokens.jsonl"),
            "vocab": str(tmp_path / "vocab.safetensors"),
            "max_length": 32, "ttt_length": 2, "lr": 1e-3, "warmup_steps": 1, "total_steps": 2, "batch_size": 2,
@@ -101,5 +97,6 @@ def test_specforge_run_trains_and_exports(tmp_path: Path) -> None:
     result = json.loads((tmp_path / "out" / "result.json").read_text())
     assert result["steps"] == 2 and result["feature_tokens"] == 4 * 32 and result["tokens_trained"] == 2 * 2 * 32
     with safe_open(tmp_path / "out" / "vllm" / "model.safetensors", "pt") as f:
-        assert torch.equal(f.get_tensor("d2t"), used - torch.arange(64)) and torch.equal(f.get_tensor("t2d"), t2d)
+        ours = load_file(tmp_path / "vocab.safetensors")  # the even ids
+        assert torch.equal(f.get_tensor("d2t"), ours["d2t"]) and torch.equal(f.get_tensor("t2d"), ours["t2d"])
         assert f.get_tensor("lm_head.weight").shape == (64, 32) and f.get_tensor("fc.weight").dtype == torch.float32

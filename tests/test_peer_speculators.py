@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_models import peer_inputs
 
 REPO = Path(__file__).resolve().parents[1]
 SPECULATORS_PYTHON = REPO / ".venv-speculators" / "bin" / "python"
@@ -99,15 +100,10 @@ def _tiny_target(path: Path) -> None:
 @pytest.mark.skipif(not SPECULATORS_PYTHON.exists(), reason="no .venv-speculators (make speculators)")
 def test_speculators_run_trains_and_writes_a_head(tmp_path: Path) -> None:
     from safetensors import safe_open
-    from safetensors.torch import save_file
+    from safetensors.torch import load_file
 
     _tiny_target(tmp_path / "target")
-    rows = [{"input_ids": [(7 * i + j) % 128 for j in range(40)], "loss_mask": [0] * 10 + [1] * 30} for i in range(4)]
-    (tmp_path / "tokens.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    used = torch.arange(0, 128, 2)  # a 64-id draft vocabulary: the even ids
-    t2d = torch.zeros(128, dtype=torch.bool)
-    t2d[used] = True
-    save_file({"d2t": used - torch.arange(64), "t2d": t2d}, tmp_path / "vocab.safetensors")
+    peer_inputs(tmp_path)  # tokens.jsonl, vocab.safetensors (a 64-id draft vocabulary)
     job = {"target": str(tmp_path / "target"), "tokens": str(tmp_path / "tokens.jsonl"),
            "vocab": str(tmp_path / "vocab.safetensors"), "max_length": 32, "ttt_steps": 2, "lr": 1e-3,
            "optimizer": "adamw", "total_steps": 4, "seq_len": 64, "seed": 0, "threads": 1, "out": str(tmp_path / "out")}
@@ -124,5 +120,6 @@ def test_speculators_run_trains_and_writes_a_head(tmp_path: Path) -> None:
     assert head["speculators_model_type"] == "eagle3" and head["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
     assert head["speculators_config"]["verifier"]["name_or_path"] == str(tmp_path / "target")
     with safe_open(tmp_path / "out" / "vllm" / "model.safetensors", "pt") as f:
-        assert torch.equal(f.get_tensor("d2t"), used - torch.arange(64)) and torch.equal(f.get_tensor("t2d"), t2d)
+        ours = load_file(tmp_path / "vocab.safetensors")  # the even ids
+        assert torch.equal(f.get_tensor("d2t"), ours["d2t"]) and torch.equal(f.get_tensor("t2d"), ours["t2d"])
         assert f.get_tensor("lm_head.weight").shape == (64, 32) and f.get_tensor("fc.weight").shape == (32, 96)
