@@ -46,7 +46,7 @@ sys.path.insert(0, str(REPO / "bench"))
 from bench.machine import machine_line  # noqa: E402
 
 from peer_runs import (DOLLY, MTP_TRAIN, RECIPE, RUNNERS, SGD, SPECFORGE, SPECULATORS, VLLM_PYTHON,  # noqa: E402
-                       WORKERS, base_recipe, code_digest, dir_digest, fresh, ours_name, run, train_ours, train_peer,
+                       base_recipe, code_digest, dir_digest, fresh, ours_name, run, train_ours, train_peer,
                        with_point)
 from peer_table import acceptance_header, acceptance_rows, cost_rows, goal_rows  # noqa: E402
 from vllm_check import serve  # noqa: E402
@@ -93,7 +93,7 @@ def settings_rows(recipe: dict, work: Path) -> dict[str, tuple[list[str], dict[s
     t = recipe["train"]
     matched = {peer: with_point(peer, {**settings, "vocab": "ours"}, t["lr"], t["unroll"])
                for peer, settings in PEERS.items()}
-    matched["specforge"] = {**matched["specforge"], "warmup_steps": t["warmup_steps"], "workers": WORKERS}
+    matched["specforge"] = {**matched["specforge"], "warmup_steps": t["warmup_steps"]}
     matched["specforge"].pop("warmup_ratio")
     rows = {"defaults": ([], dict(PEERS)), "matched": ([], matched)}
     if (work / "tuned.json").is_file():
@@ -187,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     regen_rows = max(args.regen_rows, args.rows * max(args.scales))
     shared = {"recipe": recipe, "target": dir_digest(Path(recipe["target"]["path"])), "code": code_digest(),
               "regen_rows": regen_rows, "threads": args.threads}
-    fresh(args.work / "regen", shared, args.reuse)
+    if "dolly" in args.data:  # only Dolly's conversations are regenerated
+        fresh(args.work / "regen", shared, args.reuse)
     cells: dict = {name: {} for name in rows}
     scores: dict = {name: {} for name in rows}
     for data in args.data:
