@@ -45,13 +45,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="the row of peer_parity whose SpecForge head stands beside")
     parser.add_argument("--peer", choices=list(pp.PEERS), default="specforge")
     parser.add_argument("--k", type=int, default=3)
-    parser.add_argument("--max-k", type=int, default=4, help="peer_parity's largest k (it sizes vLLM's context)")
+    parser.add_argument("--max-k", type=int, default=3, help="peer_parity's largest k (it sizes vLLM's context)")
     parser.add_argument("--rows", type=int, default=80)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--work", type=Path, default=REPO / "runs" / "peers")
-    parser.add_argument("--regen-rows", type=int, default=1280)
+    parser.add_argument("--regen-rows", type=int, default=320, help="peer_parity's: rows × its largest scale")
     args = parser.parse_args(argv)
     print(machine_line(), flush=True)
     work = args.work.resolve()
@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(results: dict, args: argparse.Namespace, cell: str) -> None:
     print(f"{cell}, k = {args.k}\n")
-    print("| prompts | trainer | variant | α_1 ± SE | MAL ± SE | drafts | lossless |\n|---|---|---|---:|---:|---:|---|")
+    print("| prompts | trainer | variant | α_1 ± SE | MAL ± SE | drafts | lossless |")
+    print("|---|---|---|---:|---:|---:|---|")
     for name, by_variant in results.items():
         for (trainer, variant), (a, lossless) in by_variant.items():
             print(f"| {name} | {trainer} | {variant} | {a.alphas[0]:.3f} ± {a.se_alpha1:.3f} | {a.mal:.3f} ± "

@@ -5,31 +5,36 @@
     .venv/bin/python bench/peer_parity.py [--rows 80] [--steps 30] [--scales 1 4] [--data sgd dolly] [--seeds 0 1 2]
                                           [--settings defaults tuned] [--peers specforge speculators] [--reuse]
 
-For each data set, scale (``--rows`` × scale conversations, ``--steps`` × scale steps) and training seed:
+For each data set, scale (``--rows`` × scale conversations, ``--steps`` × scale steps) and training seed, a cell:
 
 1. **The conversations.** ``dolly``: the recipe's data (recipes/smollm2.yaml), Dolly prompts answered by SmolLM2
-   itself (greedy, at most 96 tokens; regenerated once, ``--regen-rows`` rows; each cell takes its first rows).
+   itself (greedy, at most 96 tokens; regenerated once, rows × the largest scale; each cell takes its first rows).
    ``sgd``: SGD's training dialogues as written. Written to ``WORK/CELL/conversations.jsonl``.
 2. **This trainer.** recipes/smollm2.yaml with ``head.kind=eagle3`` on those conversations: precompute, train,
-   ``export --format vllm``. Its tokens/s is Σ tokens / Σ step_s of the train log (the optimizer steps only).
+   ``export --format vllm``. Beside it, ``ours-exact`` trains the same head with ``train.teacher: exact`` and no
+   top-K stored: the full-vocabulary teacher computed in the step from the stored last state, as the peers do.
+   Tokens/s is Σ tokens / Σ step_s of the train log (each optimizer step's wall time, waiting for its batch
+   included, as the peers' step times are).
 3. **Each peer** (bench/peer_runs.py, bench/peers/) on exactly the token ids and loss masks our precompute stored,
    the same max length and seed, as many optimizer steps as ours took, each carrying our mean tokens per step, one
    loader thread on every side. Its lr, TTT length, warm-up and draft vocabulary are the row's (``--settings``):
    ``defaults``, each trainer at its own (SpecForge: lr 1e-4, TTT 7, warm-up ratio 0.015, a 32k draft vocabulary of
    its own; speculators: Muon at lr 1e-3, 3 TTT steps, the full vocabulary); ``matched``, the peers at our lr, TTT
    length and draft vocabulary; ``tuned``, each at its own defaults but the lr and TTT length bench/peer_sweep.py
-   found best for it.
+   found best for it (the sweep runs first, at this comparison's cell size and scoring).
 4. **Scoring.** Every exported head is served by vLLM (bench/vllm_serve.py, in .venv-vllm) on the same prompts:
    the held-out set of the data (Dolly rows no scale trains on; SGD's dev split), Spec-Bench and MT-bench first
-   turns (``--prompts`` each, category-stratified), greedy, ``--new-tokens`` tokens, at k = 1..4. Lossless: every
-   speculative output equals vLLM's plain output.
+   turns (``--prompts`` each, category-stratified), greedy, ``--new-tokens`` tokens, at k = 3 (``--k``). Lossless:
+   every speculative output equals vLLM's plain output.
 
-Everything lands in ``--work`` (default runs/peers). A rerun starts from scratch: regeneration, every trainer and
-every vLLM run. With ``--reuse`` it keeps a run whose key still matches: the sha256 of its conversations, every
-side's settings, the seed, the target's weights and the code of this benchmark and of mtp_train (``key.json`` in
-the run's directory); vLLM's results are keyed by the served head's sha256. Prints, per row of settings, the
-acceptance per run, the costs, and the goals at k = 3 pooled over cells and seeds; then the differences between the
-trainers that cannot be removed; ``WORK/peer_parity.json`` holds the numbers.
+Runs land in ``--work`` (default runs/peers); each cell's outcome (costs and vLLM's counters), the sweep's and the
+regenerated conversations land in ``--results`` (default bench/peer_results, committed as they land). A rerun starts
+from scratch: regeneration, the sweep, every trainer and every vLLM run. With ``--reuse`` it keeps what was made
+under a key that still matches: the sha256 of the conversations, every side's settings, the seed, the target's
+weights and the code of this benchmark and of mtp_train; a cell whose outcome is in ``--results`` is not run again,
+on any machine. vLLM's results are keyed by the served head's sha256. Prints, per row of settings, the acceptance
+per run, the costs, the goals at k = 3 pooled over cells and seeds; then the differences between the trainers that
+cannot be removed and the cells' wall time; ``WORK/peer_parity.json`` holds the numbers.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import argparse
 import hashlib
 import json
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,10 +51,10 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 from bench.machine import machine_line  # noqa: E402
 
-from peer_runs import (DOLLY, MTP_TRAIN, RECIPE, RUNNERS, SGD, SPECFORGE, SPECULATORS, VLLM_PYTHON,  # noqa: E402
-                       base_recipe, code_digest, dir_digest, fresh, ours_name, run, train_ours, train_peer,
-                       with_point)
-from peer_table import acceptance_header, acceptance_rows, cost_rows, goal_rows  # noqa: E402
+from peer_runs import (DOLLY, MTP_TRAIN, RECIPE, RESULTS, RUNNERS, SGD, SPECFORGE, SPECULATORS,  # noqa: E402
+                       VLLM_PYTHON, base_recipe, code_digest, dir_digest, fresh, keep, kept, ours_name, run,
+                       train_ours, train_peer, with_point)
+from peer_table import report  # noqa: E402
 from vllm_check import serve  # noqa: E402
 
 PEERS = {"specforge": SPECFORGE, "speculators": SPECULATORS}  # each peer's own defaults
@@ -71,34 +77,48 @@ DIFFERENCES = [
 ]
 
 
-def conversations(data: str, rows: int, work: Path, regen_rows: int) -> list[dict]:
-    """The first ``rows`` conversations of ``data`` in the openai format."""
+def conversations(data: str, rows: int, regenerated: list[list[dict]] | None = None) -> list[dict]:
+    """The first ``rows`` conversations of ``data`` in the openai format (``dolly``: from ``regenerated``)."""
     from mtp_train.data.dataset import load_rows
 
     if data == "sgd":
         return [{"messages": r.content} for r in load_rows([SGD], "sharegpt", False, rows).rows]
-    regen = work / "regen"
-    run([*MTP_TRAIN, "precompute", str(RECIPE), f"output_dir={regen}", f"data.max_rows={regen_rows}",
-         "data.heldout_rows=0"], work / "regen.log")
-    lines = (regen / "features" / "regenerated.rank-00000.jsonl").read_text().splitlines()[1:]
-    by_id = {r["row_id"]: r["messages"] for r in map(json.loads, lines)}
-    return [{"messages": by_id[i]} for i in sorted(by_id)[:rows]]
+    assert regenerated is not None and len(regenerated) >= rows
+    return [{"messages": messages} for messages in regenerated[:rows]]
 
 
-def settings_rows(recipe: dict, work: Path) -> dict[str, tuple[list[str], dict[str, dict]]]:
+def regenerate(work: Path, results: Path, key: dict, rows: int, reuse: bool) -> list[list[dict]]:
+    """The recipe's first ``rows`` Dolly prompts answered by SmolLM2 itself, once, kept in ``RESULTS/dolly-regen.json``
+    (greedy answers can differ between CPUs, so another machine reuses these rather than its own)."""
+    stored = results / "dolly-regen.json"
+    outcome = kept(stored, key, reuse)
+    if outcome is None:
+        regen = work / "regen"
+        fresh(regen, key, reuse=False)
+        run([*MTP_TRAIN, "precompute", str(RECIPE), f"output_dir={regen}", f"data.max_rows={rows}",
+             "data.heldout_rows=0", "train.tau_every=0"], work / "regen.log")
+        lines = (regen / "features" / "regenerated.rank-00000.jsonl").read_text().splitlines()[1:]
+        by_id = {r["row_id"]: r["messages"] for r in map(json.loads, lines)}
+        outcome = keep(stored, key, {"machine": machine_line(), "rows": [by_id[i] for i in sorted(by_id)]})
+    return outcome["rows"]
+
+
+def settings_rows(recipe: dict, results: Path) -> dict[str, tuple[list[str], dict[str, dict]]]:
     """The comparison's rows: per name, our recipe's overrides and each peer's settings. ``defaults``: each trainer
     at its own; ``matched``: the peers at our lr, TTT length and draft vocabulary (SpecForge at our warm-up too);
-    ``tuned`` (once bench/peer_sweep.py wrote ``WORK/tuned.json``): each at its own defaults but the lr and TTT
-    length it did best with."""
+    ``tuned`` (once bench/peer_sweep.py wrote ``RESULTS/tuned.json``): each at its own defaults but the lr and TTT
+    length it did best with (ours: only what differs from the recipe, so an unchanged run is shared)."""
     t = recipe["train"]
     matched = {peer: with_point(peer, {**settings, "vocab": "ours"}, t["lr"], t["unroll"])
                for peer, settings in PEERS.items()}
     matched["specforge"] = {**matched["specforge"], "warmup_steps": t["warmup_steps"]}
     matched["specforge"].pop("warmup_ratio")
     rows = {"defaults": ([], dict(PEERS)), "matched": ([], matched)}
-    if (work / "tuned.json").is_file():
-        best = json.loads((work / "tuned.json").read_text())
-        rows["tuned"] = ([f"train.lr={best['ours']['lr']}", f"train.unroll={best['ours']['ttt']}"], {
+    if (results / "tuned.json").is_file():
+        best = json.loads((results / "tuned.json").read_text())
+        ours = [f"train.{name}={best['ours'][field]}" for name, field in (("lr", "lr"), ("unroll", "ttt"))
+                if best["ours"][field] != t[name]]
+        rows["tuned"] = (ours, {
             peer: with_point(peer, settings, best[peer]["lr"], best[peer]["ttt"])
             for peer, settings in PEERS.items() if peer in best})
     return rows
@@ -153,23 +173,65 @@ def score(cell: Path, job: dict, plain: dict, ks: list[int], heads: dict[str, Pa
     return out
 
 
+EXACT = ["train.teacher=exact", "precompute.topk=0"]  # ours as the peers train: the full-vocabulary teacher
+
+
+def run_cell(cell: Path, rows: dict, steps: int, seed: int, recipe: dict, threads: int, job: dict, plain, ks: list[int]
+             ) -> dict:
+    """Every row's trainers in one cell (a data set at one scale and seed), trained and scored:
+    ``{"costs": {setting: {trainer: cost}}, "scores": {setting: {trainer: {k: {set: ...}}}}}``. Beside ours
+    (``ours``), ``ours-exact`` trains the same head with the exact teacher and no top-K stored, as the peers train."""
+    ours_runs: dict[str, dict] = {}
+    costs: dict = {}
+    scores: dict = {}
+    for setting, (overrides, theirs) in rows.items():
+        mine = {"ours": ours_name(overrides), "ours-exact": ours_name(overrides + EXACT)}
+        for trainer, variant in (("ours", overrides), ("ours-exact", overrides + EXACT)):
+            if mine[trainer] not in ours_runs:
+                ours_runs[mine[trainer]] = train_ours(cell, steps, variant, seed, mine[trainer])
+        costs[setting] = {trainer: ours_runs[name] for trainer, name in mine.items()}
+        for peer, settings in theirs.items():
+            costs[setting][peer] = train_peer(peer, cell, ours_runs[mine["ours"]], recipe, settings, threads, seed,
+                                              f"{peer}-{setting}", mine["ours"])
+        heads = {**{t: cell / f"{name}-vllm" for t, name in mine.items()},
+                 **{p: cell / f"{p}-{setting}" / "vllm" for p in theirs}}
+        scores[setting] = score(cell, job, plain(), ks, heads)
+    return {"costs": costs, "scores": scores}
+
+
+def tuned_settings(args: argparse.Namespace) -> None:
+    """bench/peer_sweep.py at this comparison's cell size and scoring, into ``RESULTS/tuned.json`` (kept with
+    ``--reuse`` when its key still matches)."""
+    import peer_sweep
+
+    peer_sweep.main(["--rows", str(args.rows), "--steps", str(args.steps), "--prompts", str(args.prompts),
+                     "--new-tokens", str(args.new_tokens), "--threads", str(args.threads), "--work", str(args.work),
+                     "--results", str(args.results), "--peers", *args.peers, "--lr", *map(str, args.sweep_lr),
+                     "--ttt", *map(str, args.sweep_ttt), *(["--reuse"] if args.reuse else [])])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=80, help="conversations at scale 1")
     parser.add_argument("--steps", type=int, default=30, help="training steps at scale 1 (this trainer's)")
     parser.add_argument("--scales", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--data", nargs="+", choices=("dolly", "sgd"), default=["sgd", "dolly"])
-    parser.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4])
+    parser.add_argument("--k", type=int, nargs="+", default=[3], help="draft lengths scored (the goals' is 3)")
     parser.add_argument("--prompts", type=int, default=16, help="prompts per scoring set")
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=2, help="the peers' torch threads (ours: the recipe's)")
     parser.add_argument("--work", type=Path, default=REPO / "runs" / "peers")
-    parser.add_argument("--regen-rows", type=int, default=1280, help="Dolly rows regenerated once (at least rows × "
-                        "the largest scale); the held-out prompts come after them")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="each cell's outcome, kept for --reuse on "
+                        "any machine (default: bench/peer_results, committed)")
+    parser.add_argument("--regen-rows", type=int, help="Dolly rows regenerated once (default and least: rows × the "
+                        "largest scale); the held-out prompts come after them")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="training seeds, every trainer")
-    parser.add_argument("--settings", nargs="+", default=["defaults"], choices=("defaults", "matched", "tuned"),
-                        help="rows: each trainer at its own defaults; the peers at our settings; each at its best "
-                        "lr and TTT length (bench/peer_sweep.py)")
+    parser.add_argument("--settings", nargs="+", default=["defaults", "tuned"],
+                        choices=("defaults", "matched", "tuned"), help="rows: each trainer at its own defaults; the "
+                        "peers at our settings; each at its best lr and TTT length (bench/peer_sweep.py runs first)")
+    parser.add_argument("--sweep-lr", type=float, nargs="+", default=[1e-4, 3e-4, 1e-3, 3e-3], help="the tuned "
+                        "row's grid of learning rates (bench/peer_sweep.py)")
+    parser.add_argument("--sweep-ttt", type=int, nargs="+", default=[2, 7], help="the tuned row's grid of TTT lengths")
     parser.add_argument("--peers", nargs="+", default=list(PEERS), choices=list(PEERS))
     parser.add_argument("--reuse", action="store_true", help="keep runs whose key matches (default: from scratch)")
     args = parser.parse_args(argv)
@@ -177,75 +239,56 @@ def main(argv: list[str] | None = None) -> int:
     for python, make in [(VLLM_PYTHON, "vllm")] + [RUNNERS[peer] for peer in args.peers]:
         if not python.is_file():
             sys.exit(f"peer_parity: {python} not found; run `make {make}` first")
-    args.work = args.work.resolve()
+    args.work, args.results = args.work.resolve(), args.results.resolve()
     args.work.mkdir(parents=True, exist_ok=True)
+    if "tuned" in args.settings:
+        tuned_settings(args)
     recipe = base_recipe()
-    known = settings_rows(recipe, args.work)
-    if "tuned" in args.settings and "tuned" not in known:
-        sys.exit(f"peer_parity: --settings tuned reads {args.work / 'tuned.json'}; run bench/peer_sweep.py first")
+    known = settings_rows(recipe, args.results)
     rows = {name: (known[name][0], {peer: known[name][1][peer] for peer in args.peers}) for name in args.settings}
-    regen_rows = max(args.regen_rows, args.rows * max(args.scales))
+    regen_rows = max(args.regen_rows or 0, args.rows * max(args.scales))
     shared = {"recipe": recipe, "target": dir_digest(Path(recipe["target"]["path"])), "code": code_digest(),
               "regen_rows": regen_rows, "threads": args.threads}
-    if "dolly" in args.data:  # only Dolly's conversations are regenerated
-        fresh(args.work / "regen", shared, args.reuse)
-    cells: dict = {name: {} for name in rows}
-    scores: dict = {name: {} for name in rows}
+    regenerated = (regenerate(args.work, args.results, shared, regen_rows, args.reuse)
+                   if "dolly" in args.data else None)  # only Dolly's conversations are regenerated
+    outcomes: dict = {}
     for data in args.data:
         sets = prompt_sets(data, args.prompts, regen_rows)
         job = scoring_job(recipe, sets, args.new_tokens, max(args.k))
-        plain_dir = args.work / f"plain-{data}"
-        fresh(plain_dir, {**shared, "job": job}, args.reuse)
-        plain = served({**job, "head": None}, plain_dir, "vllm-plain")
+        plain = plain_run(args.work / f"plain-{data}", {**shared, "job": job}, args.reuse)
         for scale in args.scales:
-            text = "".join(json.dumps(c) + "\n" for c in conversations(data, args.rows * scale, args.work, regen_rows))
+            text = "".join(json.dumps(c) + "\n" for c in conversations(data, args.rows * scale, regenerated))
             for seed in args.seeds:
-                run_name = f"{data} × {scale}, seed {seed}"
                 cell = args.work / f"{data}-{scale}x-s{seed}"
                 key = {**shared, "conversations": hashlib.sha256(text.encode()).hexdigest(), "seed": seed,
                        "steps": args.steps * scale, "scoring": job, "k": args.k, "rows": rows}
-                fresh(cell, key, args.reuse)
-                (cell / "conversations.jsonl").write_text(text)
-                ours_runs: dict[str, dict] = {}
-                for setting, (overrides, theirs) in rows.items():
-                    mine = ours_name(overrides)
-                    if mine not in ours_runs:
-                        ours_runs[mine] = train_ours(cell, args.steps * scale, overrides, seed, mine)
-                    cells[setting][run_name] = {"ours": ours_runs[mine], **{peer: train_peer(
-                        peer, cell, ours_runs[mine], recipe, settings, args.threads, seed, f"{peer}-{setting}", mine)
-                        for peer, settings in theirs.items()}}
-                    heads = {"ours": cell / f"{mine}-vllm", **{p: cell / f"{p}-{setting}" / "vllm" for p in theirs}}
-                    scores[setting][run_name] = score(cell, job, plain, args.k, heads)
-                print(f"peer_parity: {run_name} done", flush=True)
-    report(cells, scores, rows, args)
+                stored = args.results / f"{cell.name}.json"
+                outcome = kept(stored, key, args.reuse)
+                if outcome is None:
+                    fresh(cell, key, args.reuse)
+                    (cell / "conversations.jsonl").write_text(text)
+                    started = time.monotonic()
+                    outcome = run_cell(cell, rows, args.steps * scale, seed, recipe, args.threads, job, plain, args.k)
+                    outcome = keep(stored, key, {"run": f"{data} × {scale}, seed {seed}", "machine": machine_line(),
+                                                 "wall_s": round(time.monotonic() - started, 1), **outcome})
+                outcomes[cell.name] = outcome
+                print(f"peer_parity: {outcome['run']} done ({outcome['wall_s']:.0f} s)", flush=True)
+    report(outcomes, rows, args.k, DIFFERENCES)
+    (args.work / "peer_parity.json").write_text(json.dumps({"cells": outcomes, "rows": rows, "args": {
+        k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}, indent=1))
     return 0
 
 
-def report(cells: dict, scores: dict, rows: dict, args: argparse.Namespace) -> None:
-    """Per row of settings: the tables, the goals at k = 3 and the cost ratios against each peer; then the
-    differences that remain; the numbers into WORK/peer_parity.json."""
-    goal_k = 3 if 3 in args.k else max(args.k)
-    for setting, (overrides, theirs) in rows.items():
-        print(f"\n### {setting}: ours {' '.join(overrides) or 'as recipes/smollm2.yaml'}; {theirs}\n")
-        print(acceptance_header(list(theirs)))
-        for name, s in scores[setting].items():
-            print("\n".join(acceptance_rows(name, s, args.k)))
-        print()
-        print("\n".join(cost_rows(cells[setting])))
-        print(f"\nGoals at k = {goal_k}, pooled over cells and seeds (ahead: by more than 2 standard errors):")
-        for peer in theirs:
-            for line, said in goal_rows(scores[setting], goal_k, peer):
-                print(f"- {said}: {line}")
-            for what, better_high in (("tokens_per_s", True), ("bytes_per_token", False)):
-                ratios = [c["ours"][what] / c[peer][what] for c in cells[setting].values()]
-                print(f"- {what}, ours ÷ {peer}: {min(ratios):.2f}–{max(ratios):.2f} over {len(ratios)} runs "
-                      f"({'higher' if better_high else 'lower'} is ours ahead)")
-    print("\nDifferences between the trainers that remain:")
-    notes = {n for c in cells.values() for r in c.values() for t, v in r.items() if t != "ours" for n in v["notes"]}
-    for line in DIFFERENCES + sorted(notes):
-        print(f"- {line}")
-    (args.work / "peer_parity.json").write_text(json.dumps({"cells": cells, "scores": scores, "rows": rows, "args": {
-        k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}, indent=1))
+def plain_run(directory: Path, key: dict, reuse: bool):
+    """vLLM's plain run of a data set's prompts, made on first use (a cell kept from the results needs none)."""
+    done: list[dict] = []
+
+    def get() -> dict:
+        if not done:
+            fresh(directory, key, reuse)
+            done.append(served({**key["job"], "head": None}, directory, "vllm-plain"))
+        return done[0]
+    return get
 
 
 if __name__ == "__main__":

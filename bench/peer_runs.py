@@ -29,7 +29,8 @@ SGD = REPO / "data" / "sgd" / "sgd_train_sharegpt.jsonl.gz"
 DOLLY = REPO / "data" / "general" / "prompts.jsonl.gz"
 MTP_TRAIN = [sys.executable, "-m", "mtp_train.cli"]
 CODE = ["mtp_train", "precompute", "eval", "bench/peers", "bench/peer_runs.py", "bench/peer_parity.py",
-        "bench/peer_table.py", "bench/vllm_serve.py", "bench/vllm_check.py"]  # what results depend on, but data
+        "bench/vllm_serve.py", "bench/vllm_check.py"]  # what results depend on, but data (bench/peer_table.py prints)
+RESULTS = REPO / "bench" / "peer_results"  # each cell's outcome and the sweep's, committed as they land
 WORKERS = 1  # loader threads, every side: ours prefetches its batches on one thread
 # SpecForge 0.2.0's own defaults (its config schema and every EAGLE-3 example; gradient clipping 0.5, AdamW betas
 # (0.9, 0.999) and the cosine to 0 are fixed in its code): lr, TTT length, warm-up ratio and a 32k draft vocabulary
@@ -87,6 +88,29 @@ def fresh(directory: Path, key: dict, reuse: bool) -> bool:
     (directory / "key.tmp").write_text(json.dumps(key, indent=1))
     os.replace(directory / "key.tmp", stored)
     return True
+
+
+def key_sha(key: dict) -> str:
+    """The sha256 of a key as canonical JSON."""
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+def kept(path: Path, key: dict, reuse: bool) -> dict | None:
+    """The outcome stored at ``path`` when ``reuse`` is asked and it was made under ``key``; else None."""
+    if reuse and path.is_file():
+        stored = json.loads(path.read_text())
+        if stored.get("key_sha256") == key_sha(key):
+            return stored
+    return None
+
+
+def keep(path: Path, key: dict, outcome: dict) -> dict:
+    """Store ``outcome`` at ``path`` (atomically) under ``key``'s digest; returns what was stored."""
+    stored = {"key_sha256": key_sha(key), **outcome}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".tmp").write_text(json.dumps(stored, indent=1))
+    os.replace(path.with_suffix(".tmp"), path)
+    return stored
 
 
 def base_recipe() -> dict:
@@ -184,4 +208,8 @@ def train_peer(peer: str, cell: Path, ours: dict, recipe: dict, settings: dict, 
         asked.write_text(json.dumps(job, indent=1))
         run([str(RUNNERS[peer][0]), str(REPO / "bench" / "peers" / f"{peer}_run.py"), str(asked)],
             cell / f"{name}.log")
-    return json.loads(done.read_text())
+    result = json.loads(done.read_text())
+    # Both runners store 4 states per token (SpecForge: the 3 aux and the last; speculators: 4 slots) in fp32; at
+    # bf16, ours' dtype, each element takes 2 bytes less and nothing else changes.
+    hidden = json.loads((Path(recipe["target"]["path"]) / "config.json").read_text())["hidden_size"]
+    return {**result, "bytes_per_token_bf16": result["bytes_per_token"] - 2 * 4 * hidden}

@@ -10,8 +10,10 @@ At each grid point: ours is recipes/smollm2.yaml with ``train.lr`` and ``train.u
 defaults (SpecForge: its warm-up ratio and 32k draft vocabulary; speculators: Muon, the full vocabulary) with that
 lr and TTT length, at our number of optimizer steps and tokens per step, as in peer_parity. The validation prompts
 are the first user turns of SGD training dialogues from row ``--rows`` × 4 on (peer_parity's largest cell trains on
-rows below that), ``--prompts`` of them. Writes ``WORK/tuned.json`` (each trainer's best point and the whole grid)
-and prints the grid. Like peer_parity: from scratch unless ``--reuse``.
+rows below that), ``--prompts`` of them. Writes ``RESULTS/tuned.json`` (each trainer's best point, the whole grid and
+its key's digest; RESULTS is bench/peer_results, committed) and prints the grid. Like peer_parity: from scratch unless
+``--reuse``, which keeps tuned.json when its key still matches. bench/peer_parity.py with ``--settings tuned`` runs
+this first, at its own cell size and scoring.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -78,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--work", type=Path, default=REPO / "runs" / "peers")
+    parser.add_argument("--results", type=Path, default=pr.RESULTS, help="where tuned.json goes (committed)")
     parser.add_argument("--peers", nargs="+", default=list(pp.PEERS), choices=list(pp.PEERS))
     parser.add_argument("--reuse", action="store_true", help="keep runs whose key matches (default: from scratch)")
     args = parser.parse_args(argv)
@@ -89,11 +92,34 @@ def main(argv: list[str] | None = None) -> int:
     recipe = pr.base_recipe()
     sets = validation_prompts(args.rows * 4, args.prompts)
     job = pp.scoring_job(recipe, sets, args.new_tokens, K)
-    text = "".join(json.dumps(c) + "\n" for c in pp.conversations("sgd", args.rows, work, args.rows))
+    text = "".join(json.dumps(c) + "\n" for c in pp.conversations("sgd", args.rows))
     key = {"recipe": recipe, "target": pr.dir_digest(Path(recipe["target"]["path"])), "code": pr.code_digest(
         pr.CODE + ["bench/peer_sweep.py"]), "conversations": hashlib.sha256(text.encode()).hexdigest(),
-        "steps": args.steps, "threads": args.threads, "scoring": job, "peers": {p: pp.PEERS[p] for p in args.peers}}
-    cell = work / "sweep-sgd-1x-s0"
+        "steps": args.steps, "threads": args.threads, "scoring": job, "peers": {p: pp.PEERS[p] for p in args.peers},
+        "grid": {"lr": args.lr, "ttt": args.ttt}}
+    trainers = ["ours", *args.peers]
+    tuned = pr.kept(args.results / "tuned.json", key, args.reuse)
+    if tuned is None:
+        started = time.monotonic()
+        grid = run_grid(work / "sweep-sgd-1x-s0", key, args, recipe, job, text)
+        tuned = pr.keep(args.results / "tuned.json", key, {
+            **{t: best(grid, t) for t in trainers}, "k": K, "grid": grid, "machine": machine_line(),
+            "wall_s": round(time.monotonic() - started, 1)})
+    print(f"\n| lr | TTT | " + " | ".join(f"{t} α_1 | {t} MAL" for t in trainers) + " | lossless |")
+    print("|---:|---:|" + "---:|---:|" * len(trainers) + "---|")
+    for g in tuned["grid"]:
+        cells = " | ".join(f"{g[t]['alpha1']:.3f} | {g[t]['mal']:.3f}" for t in trainers)
+        print(f"| {g['lr']:g} | {g['ttt']} | {cells} | {'yes' if all(g[t]['lossless'] for t in trainers) else 'NO'} |")
+    for trainer in trainers:
+        b = tuned[trainer]
+        print(f"- best for {trainer}: lr {b['lr']:g}, TTT {b['ttt']} (MAL {b['mal']:.3f} at k = {K})")
+    print(f"- the sweep took {tuned['wall_s']:.0f} s on {tuned['machine']}")
+    return 0
+
+
+def run_grid(cell: Path, key: dict, args: argparse.Namespace, recipe: dict, job: dict, text: str) -> list[dict]:
+    """Every grid point trained and scored in ``cell``: per point its lr, TTT and each trainer's α_1, MAL, drafts
+    and whether its outputs were lossless."""
     pr.fresh(cell, key, args.reuse)
     (cell / "conversations.jsonl").write_text(text)
     plain = pp.served({**job, "head": None}, cell, "vllm-plain")
@@ -110,20 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             grid.append(point)
             print(f"peer_sweep: lr {lr:g}, TTT {ttt}: MAL " + ", ".join(f"{t} {point[t]['mal']:.3f}" for t in heads),
                   flush=True)
-    trainers = ["ours", *args.peers]
-    tuned = {**{t: best(grid, t) for t in trainers}, "k": K, "grid": grid, "key": key}
-    (work / "tuned.tmp").write_text(json.dumps(tuned, indent=1))
-    os.replace(work / "tuned.tmp", work / "tuned.json")
-    print("\n| lr | TTT | " + " | ".join(f"{t} α_1 | {t} MAL" for t in trainers) + " | lossless |")
-    print("|---:|---:|" + "---:|---:|" * len(trainers) + "---|")
-    for g in grid:
-        cells = " | ".join(f"{g[t]['alpha1']:.3f} | {g[t]['mal']:.3f}" for t in trainers)
-        print(f"| {g['lr']:g} | {g['ttt']} | {cells} | {'yes' if all(g[t]['lossless'] for t in trainers) else 'NO'} |")
-    for trainer in trainers:
-        b = tuned[trainer]
-        print(f"- best for {trainer}: lr {b['lr']:g}, TTT {b['ttt']} (MAL {b['mal']:.3f} at k = {K})")
-    return 0
-
+    return grid
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -58,12 +58,12 @@ def pooled(counts: list[dict]) -> Acceptance:
     return Acceptance(sum(c["drafts"] for c in counts), tuple(map(sum, zip(*accepted))))
 
 
-def paired_differences(scores: dict, k: int, peer: str) -> dict[str, list[float]]:
-    """``{"alpha1": [...], "mal": [...]}``: ours minus ``peer`` per run (a cell at one seed), each side's counters
+def paired_differences(scores: dict, k: int, peer: str, ours: str = "ours") -> dict[str, list[float]]:
+    """``{"alpha1": [...], "mal": [...]}``: ``ours`` minus ``peer`` per run (a cell at one seed), each side's counters
     pooled over the run's prompt sets. ``scores[run][trainer][k][set]`` as :func:`acceptance_rows` reads them."""
     out: dict[str, list[float]] = {"alpha1": [], "mal": []}
     for s in scores.values():
-        a, b = (pooled([r["counts"] for r in s[t][k].values()]) for t in ("ours", peer))
+        a, b = (pooled([r["counts"] for r in s[t][k].values()]) for t in (ours, peer))
         out["alpha1"].append(a.alphas[0] - b.alphas[0])
         out["mal"].append(a.mal - b.mal)
     return out
@@ -96,31 +96,81 @@ def acceptance_rows(run: str, scores: dict, ks: list[int]) -> list[str]:
     return rows
 
 
-def acceptance_header(peers: list[str]) -> str:
-    """The header of :func:`acceptance_rows`' table for ours and ``peers``."""
-    trainers = ["ours", *peers]
+def acceptance_header(trainers: list[str]) -> str:
+    """The header of :func:`acceptance_rows`' table for ``trainers``."""
     return ("| run | prompts | k | " + " | ".join(f"{t} α_1..α_k" for t in trainers) + " | "
             + " | ".join(f"{t} MAL ± SE" for t in trainers) + f" | drafts ({' / '.join(trainers)}) | lossless |\n"
             + "|---|---|---:|" + "---|" * len(trainers) + "---:|" * len(trainers) + "---:|---|")
 
 
-def goal_rows(scores: dict, k: int, peer: str) -> list[tuple[str, str]]:
-    """The goal at ``k``, pooled over cells and seeds: ours ahead of ``peer`` by more than 2 standard errors in α_1 and
-    in MAL. Returns ``(line, verdict)`` per measure."""
+def goal_rows(scores: dict, k: int, peer: str, ours: str = "ours") -> list[tuple[str, str]]:
+    """The goal at ``k``, pooled over cells and seeds: ``ours`` ahead of ``peer`` by more than 2 standard errors in
+    α_1 and in MAL. Returns ``(line, verdict)`` per measure."""
     out = []
-    for measure, diffs in paired_differences(scores, k, peer).items():
+    for measure, diffs in paired_differences(scores, k, peer, ours).items():
         mean, se, said = verdict(diffs)
-        out.append((f"{measure} at k = {k}, ours − {peer} over {len(diffs)} runs (cells × seeds): "
+        out.append((f"{measure} at k = {k}, {ours} − {peer} over {len(diffs)} runs (cells × seeds): "
                     f"{mean:+.4f} ± {se:.4f}", said))
     return out
 
 
-def cost_rows(cells: dict) -> list[str]:
-    """Markdown rows: each trainer's steps, tokens trained, training tokens/s and feature bytes per token, per run."""
-    rows = ["| run | trainer | steps | tokens trained | training tokens/s | feature bytes/token |",
-            "|---|---|---:|---:|---:|---:|"]
-    for run, c in cells.items():
+def cost_rows(costs: dict) -> list[str]:
+    """Markdown rows: each trainer's steps, tokens trained, training tokens/s (Σ tokens / Σ optimizer-step wall time,
+    loader waits included) and feature bytes per token, as stored and with the states at bf16, per run."""
+    rows = ["| run | trainer | steps | tokens trained | training tokens/s | feature bytes/token | at bf16 |",
+            "|---|---|---:|---:|---:|---:|---:|"]
+    for run, c in costs.items():
         for trainer, r in c.items():
-            rows.append(f"| {run} | {'mtp-train' if trainer == 'ours' else trainer} | {r['steps']} | "
-                        f"{r['tokens_trained']:,} | {r['tokens_per_s']:,.0f} | {r['bytes_per_token']:,.0f} |")
+            rows.append(f"| {run} | {trainer} | {r['steps']} | {r['tokens_trained']:,} | {r['tokens_per_s']:,.0f} | "
+                        f"{r['bytes_per_token']:,.0f} | {r.get('bytes_per_token_bf16', r['bytes_per_token']):,.0f} |")
     return rows
+
+
+def ratio_line(costs: dict, what: str, ours: str, peer: str) -> str:
+    """``what`` of ``ours`` ÷ ``peer`` per run: mean ± standard error, and the range."""
+    ratios = [c[ours][what] / c[peer][what] for c in costs.values()]
+    n, mean = len(ratios), sum(ratios) / len(ratios)
+    se = math.sqrt(sum((r - mean) ** 2 for r in ratios) / (n - 1) / n) if n > 1 else math.inf
+    return f"{what}, {ours} ÷ {peer}: {mean:.2f} ± {se:.2f} ({min(ratios):.2f}–{max(ratios):.2f} over {n} runs)"
+
+
+def with_int_k(scores: dict) -> dict:
+    """``scores[trainer][k][set]`` with ``k`` back to an int (JSON stores it as a string)."""
+    return {t: {int(k): sets for k, sets in by_k.items()} for t, by_k in scores.items()}
+
+
+def report(outcomes: dict, rows: dict, ks: list[int], differences: list[str]) -> None:
+    """What bench/peer_parity.py prints from its cells' outcomes (``outcomes[cell]`` = ``{"run", "wall_s", "costs":
+    {setting: {trainer: cost}}, "scores": {setting: {trainer: {k: {set: ...}}}}}``): per row of settings the
+    acceptance, the costs, the goals at k = 3 against each peer (for ours and for ours with the exact teacher) and
+    the cost ratios; then the differences that remain and the wall time."""
+    goal_k = 3 if 3 in ks else max(ks)
+    for setting, (overrides, theirs) in rows.items():
+        scores = {o["run"]: with_int_k(o["scores"][setting]) for o in outcomes.values()}
+        costs = {o["run"]: o["costs"][setting] for o in outcomes.values()}
+        print(f"\n### {setting}: ours {' '.join(overrides) or 'as recipes/smollm2.yaml'}; {theirs}\n")
+        print(acceptance_header(list(next(iter(scores.values())))))
+        for name, s in scores.items():
+            print("\n".join(acceptance_rows(name, s, ks)))
+        print()
+        print("\n".join(cost_rows(costs)))
+        print(f"\nGoals at k = {goal_k}, pooled over cells and seeds (ahead: by more than 2 standard errors):")
+        for peer in theirs:
+            for ours in ("ours", "ours-exact"):
+                for line, said in goal_rows(scores, goal_k, peer, ours):
+                    print(f"- {said}: {line}")
+            for ours in ("ours", "ours-exact"):
+                print(f"- {ratio_line(costs, 'tokens_per_s', ours, peer)} (higher: ours ahead)")
+            for ours in ("ours", "ours-exact"):
+                print(f"- {ratio_line(costs, 'bytes_per_token', ours, peer).replace('bytes_per_token', 'bytes/token')}"
+                      " as stored (lower: ours ahead)")
+            bf16 = {run: {**c, peer: {"bytes_per_token": c[peer]["bytes_per_token_bf16"]}} for run, c in costs.items()}
+            for ours in ("ours", "ours-exact"):
+                print(f"- {ratio_line(bf16, 'bytes_per_token', ours, peer).replace('bytes_per_token', 'bytes/token')}"
+                      f" with {peer}'s states at bf16")
+    print("\nDifferences between the trainers that remain:")
+    notes = {n for o in outcomes.values() for c in o["costs"].values() for v in c.values() for n in v.get("notes", [])}
+    for line in differences + sorted(notes):
+        print(f"- {line}")
+    wall = sum(o["wall_s"] for o in outcomes.values())
+    print(f"\nWall time of the {len(outcomes)} cells: {wall / 3600:.2f} h (each cell's, summed; see its machine)")

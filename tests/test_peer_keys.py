@@ -74,10 +74,48 @@ def test_the_tuned_row_gives_each_trainer_its_own_best_point(tmp_path: Path) -> 
     assert tuned == {"ours": {"lr": 1e-3, "ttt": 2, "mal": 1.6}, "specforge": {"lr": 1e-4, "ttt": 7, "mal": 1.5}}
     (tmp_path / "tuned.json").write_text(json.dumps(tuned))
     rows = pp.settings_rows(recipe, tmp_path)
-    assert rows["tuned"] == (["train.lr=0.001", "train.unroll=2"],
+    assert rows["tuned"] == ([],  # ours' best is the recipe's own point: the run is shared with the defaults row
                              {"specforge": {**pr.SPECFORGE, "lr": 1e-4, "ttt_length": 7}})  # speculators not swept
+    elsewhere = pp.settings_rows({"train": {"lr": 3e-4, "unroll": 2, "warmup_steps": 10}}, tmp_path)
+    assert elsewhere["tuned"][0] == ["train.lr=0.001"]
     assert rows["defaults"][1] == {"specforge": pr.SPECFORGE, "speculators": pr.SPECULATORS}
     matched = rows["matched"][1]
     assert matched["specforge"]["vocab"] == matched["speculators"]["vocab"] == "ours"
     assert (matched["specforge"]["ttt_length"], matched["speculators"]["ttt_steps"]) == (2, 2)
     assert matched["specforge"]["warmup_steps"] == 10 and "warmup_ratio" not in matched["specforge"]
+
+
+def test_an_outcome_is_kept_under_its_key_and_reused_only_when_asked(tmp_path: Path) -> None:
+    stored, key = tmp_path / "results" / "sgd-1x-s0.json", {"seed": 0, "code": "c1", "rows": {"defaults": []}}
+    assert pr.kept(stored, key, reuse=True) is None  # nothing there yet
+    pr.keep(stored, key, {"wall_s": 12.0})
+    assert pr.kept(stored, dict(key), reuse=True)["wall_s"] == 12.0
+    assert pr.kept(stored, key, reuse=False) is None  # the default: from scratch
+    assert pr.kept(stored, {**key, "code": "c2"}, reuse=True) is None  # changed code
+    assert sorted(p.name for p in stored.parent.iterdir()) == ["sgd-1x-s0.json"]  # no temporary file left
+
+
+def _cost(tokens_per_s: float, bytes_per_token: float, **extra: float) -> dict:
+    return {"steps": 30, "tokens_trained": 30_000, "tokens_per_s": tokens_per_s, "bytes_per_token": bytes_per_token,
+            **extra}
+
+
+def test_the_report_reads_stored_outcomes_and_sets_each_side_of_ours_against_each_peer(capsys) -> None:
+    from peer_table import report
+
+    outcomes = {}
+    for s in range(3):
+        by_trainer = {"ours": {"3": {"heldout": _counts(100, [60 + s, 30, 10])}},
+                      "ours-exact": {"3": {"heldout": _counts(100, [40 + s, 20, 10])}},
+                      "specforge": {"3": {"heldout": _counts(100, [50, 20, 10])}}}  # k as JSON stores it
+        costs = {"ours": _cost(3000 + s, 4800), "ours-exact": _cost(2000 + s, 4610),
+                 "specforge": _cost(1000, 9230, bytes_per_token_bf16=4622)}
+        outcomes[f"sgd-1x-s{s}"] = {"run": f"sgd × 1, seed {s}", "wall_s": 600.0, "costs": {"defaults": costs},
+                                    "scores": {"defaults": by_trainer}}
+    report(outcomes, {"defaults": ([], {"specforge": {}})}, [3], ["a difference"])
+    out = capsys.readouterr().out
+    assert "- ahead: alpha1 at k = 3, ours − specforge over 3 runs (cells × seeds): +0.1100" in out
+    assert "- behind: alpha1 at k = 3, ours-exact − specforge over 3 runs (cells × seeds): -0.0900" in out
+    assert "tokens_per_s, ours-exact ÷ specforge: 2.00 ± 0.00 (2.00–2.00 over 3 runs)" in out
+    assert "bytes/token, ours-exact ÷ specforge: 0.50" in out and "bytes/token, ours-exact ÷ specforge: 1.00" in out
+    assert "- a difference" in out and "Wall time of the 3 cells: 0.50 h" in out
