@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--settings", nargs="+", default=["defaults", "tuned"],
                         choices=("defaults", "matched", "tuned"), help="rows: each trainer at its own defaults; the "
                         "peers at our settings; each at its best lr and TTT length (bench/peer_sweep.py runs first)")
-    parser.add_argument("--sweep-lr", type=float, nargs="+", default=[1e-4, 3e-4, 1e-3, 3e-3], help="the tuned "
+    parser.add_argument("--sweep-lr", type=float, nargs="+", default=[3e-4, 1e-3, 3e-3, 1e-2], help="the tuned "
                         "row's grid of learning rates (bench/peer_sweep.py)")
     parser.add_argument("--sweep-ttt", type=int, nargs="+", default=[2, 7], help="the tuned row's grid of TTT lengths")
     parser.add_argument("--peers", nargs="+", default=list(PEERS), choices=list(PEERS))

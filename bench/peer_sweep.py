@@ -3,7 +3,7 @@ every trainer, trained on one cell (SGD as written, scale 1, seed 0) and chosen 
 k = 3 on a validation split, SGD training dialogues that no cell trains on.
 
     make smollm2 vllm peers speculators
-    .venv/bin/python bench/peer_sweep.py [--lr 1e-4 3e-4 1e-3 3e-3] [--ttt 2 7]
+    .venv/bin/python bench/peer_sweep.py [--lr 3e-4 1e-3 3e-3 1e-2] [--ttt 2 7]
     .venv/bin/python bench/peer_parity.py --settings defaults tuned
 
 At each grid point: ours is recipes/smollm2.yaml with ``train.lr`` and ``train.unroll`` set; each peer is at its own
@@ -72,7 +72,7 @@ def best(grid: list[dict], trainer: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--lr", type=float, nargs="+", default=[1e-4, 3e-4, 1e-3, 3e-3])
+    parser.add_argument("--lr", type=float, nargs="+", default=[3e-4, 1e-3, 3e-3, 1e-2])
     parser.add_argument("--ttt", type=int, nargs="+", default=[2, 7])
     parser.add_argument("--rows", type=int, default=80, help="conversations trained on (peer_parity's scale 1)")
     parser.add_argument("--steps", type=int, default=30, help="our optimizer steps (peer_parity's scale 1)")
@@ -119,8 +119,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_grid(cell: Path, key: dict, args: argparse.Namespace, recipe: dict, job: dict, text: str) -> list[dict]:
     """Every grid point trained and scored in ``cell``: per point its lr, TTT and each trainer's α_1, MAL, drafts
-    and whether its outputs were lossless."""
-    pr.fresh(cell, key, args.reuse)
+    and whether its outputs were lossless. The cell's key leaves the grid out: each point's runs are named by its
+    lr and TTT, so with ``--reuse`` a wider grid trains only its new points."""
+    pr.fresh(cell, {k: v for k, v in key.items() if k != "grid"}, args.reuse)
     (cell / "conversations.jsonl").write_text(text)
     plain = pp.served({**job, "head": None}, cell, "vllm-plain")
     grid = []
