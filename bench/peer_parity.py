@@ -40,20 +40,23 @@ cannot be removed and the cells' wall time; ``WORK/peer_parity.json`` holds the 
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 from bench.machine import machine_line  # noqa: E402
+from mtp_train.io import write_json_atomic  # noqa: E402
 
 from peer_runs import (DOLLY, MTP_TRAIN, RECIPE, RESULTS, RUNNERS, SGD, SPECFORGE, SPECULATORS,  # noqa: E402
-                       VLLM_PYTHON, base_recipe, code_digest, dir_digest, fresh, keep, kept, ours_name, run,
-                       train_ours, train_peer, with_point)
+                       VLLM_PYTHON, base_recipe, code_digest, dir_digest, fresh, keep, kept, ours_name, peer_inputs,
+                       run, train_ours, train_peer, with_point)
 from peer_table import report  # noqa: E402
 from vllm_check import serve  # noqa: E402
 
@@ -190,9 +193,10 @@ def run_cell(cell: Path, rows: dict, steps: int, seed: int, recipe: dict, thread
             if mine[trainer] not in ours_runs:
                 ours_runs[mine[trainer]] = train_ours(cell, steps, variant, seed, mine[trainer])
         costs[setting] = {trainer: ours_runs[name] for trainer, name in mine.items()}
+        inputs = peer_inputs(cell, mine["ours"])
         for peer, settings in theirs.items():
-            costs[setting][peer] = train_peer(peer, cell, ours_runs[mine["ours"]], recipe, settings, threads, seed,
-                                              f"{peer}-{setting}", mine["ours"])
+            costs[setting][peer] = train_peer(peer, cell, ours_runs[mine["ours"]], inputs, recipe, settings, threads,
+                                              seed, f"{peer}-{setting}")
         heads = {**{t: cell / f"{name}-vllm" for t, name in mine.items()},
                  **{p: cell / f"{p}-{setting}" / "vllm" for p in theirs}}
         scores[setting] = score(cell, job, plain(), ks, heads)
@@ -274,22 +278,18 @@ def main(argv: list[str] | None = None) -> int:
                 outcomes[cell.name] = outcome
                 print(f"peer_parity: {outcome['run']} done ({outcome['wall_s']:.0f} s)", flush=True)
     report(outcomes, rows, args.k, DIFFERENCES)
-    (args.work / "peer_parity.json").write_text(json.dumps({"cells": outcomes, "rows": rows, "args": {
-        k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}, indent=1))
+    write_json_atomic(args.work / "peer_parity.json", {"cells": outcomes, "rows": rows, "args": {
+        k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}})
     return 0
 
 
-def plain_run(directory: Path, key: dict, reuse: bool):
+def plain_run(directory: Path, key: dict, reuse: bool) -> Callable[[], dict]:
     """vLLM's plain run of a data set's prompts, made on first use (a cell kept from the results needs none)."""
-    done: list[dict] = []
-
+    @functools.cache
     def get() -> dict:
-        if not done:
-            fresh(directory, key, reuse)
-            done.append(served({**key["job"], "head": None}, directory, "vllm-plain"))
-        return done[0]
+        fresh(directory, key, reuse)
+        return served({**key["job"], "head": None}, directory, "vllm-plain")
     return get
-
 
 if __name__ == "__main__":
     sys.exit(main())

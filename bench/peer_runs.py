@@ -19,6 +19,7 @@ sys.path.insert(0, str(REPO))
 
 import yaml  # noqa: E402
 
+from mtp_train.io import write_json_atomic  # noqa: E402
 from mtp_train.recipe import apply_overrides  # noqa: E402
 
 PEERS_PYTHON = REPO / ".venv-peers" / "bin" / "python"
@@ -85,8 +86,7 @@ def fresh(directory: Path, key: dict, reuse: bool) -> bool:
         return False
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir(parents=True)
-    (directory / "key.tmp").write_text(json.dumps(key, indent=1))
-    os.replace(directory / "key.tmp", stored)
+    write_json_atomic(stored, key)
     return True
 
 
@@ -108,8 +108,7 @@ def keep(path: Path, key: dict, outcome: dict) -> dict:
     """Store ``outcome`` at ``path`` (atomically) under ``key``'s digest; returns what was stored."""
     stored = {"key_sha256": key_sha(key), **outcome}
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.with_suffix(".tmp").write_text(json.dumps(stored, indent=1))
-    os.replace(path.with_suffix(".tmp"), path)
+    write_json_atomic(path, stored)
     return stored
 
 
@@ -188,15 +187,15 @@ def with_point(peer: str, settings: dict, lr: float, ttt: int) -> dict:
     return {**settings, "lr": lr, TTT[peer]: ttt}
 
 
-def train_peer(peer: str, cell: Path, ours: dict, recipe: dict, settings: dict, threads: int, seed: int,
-               name: str, ours_name: str = "ours") -> dict:
-    """``peer`` (``specforge`` or ``speculators``) into ``CELL/NAME`` on the token ids and masks of our run
-    ``CELL/OURS_NAME`` (``ours``: its cost), as many optimizer steps as ours took, each carrying our mean tokens per
-    step (SpecForge: that many rows on average; speculators: packed to that many tokens). ``settings``: the job
-    fields of bench/peers/{peer}_run.py, ``"vocab": "ours"`` for our draft vocabulary or ``None`` for the peer's own.
-    Its result.json, kept while the job is unchanged."""
+def train_peer(peer: str, cell: Path, ours: dict, inputs: tuple[Path, Path, float], recipe: dict, settings: dict,
+               threads: int, seed: int, name: str) -> dict:
+    """``peer`` (``specforge`` or ``speculators``) into ``CELL/NAME`` on ``inputs``, :func:`peer_inputs` of our run
+    (``ours``: its cost), as many optimizer steps as ours took, each carrying our mean tokens per step (SpecForge:
+    that many rows on average; speculators: packed to that many tokens). ``settings``: the job fields of
+    bench/peers/{peer}_run.py, ``"vocab": "ours"`` for our draft vocabulary or ``None`` for the peer's own. Its
+    result.json, kept while the job is unchanged."""
     out = cell / name
-    tokens, vocab, mean_len = peer_inputs(cell, ours_name)
+    tokens, vocab, mean_len = inputs
     per_step = ours["tokens_trained"] / ours["steps"]
     shape = {"batch_size": max(1, round(per_step / mean_len))} if peer == "specforge" else {"seq_len": round(per_step)}
     job = {"target": recipe["target"]["path"], "tokens": str(tokens), "max_length": recipe["data"]["max_length"],

@@ -57,9 +57,10 @@ def grid_point(cell: Path, recipe: dict, lr: float, ttt: int, steps: int, thread
     mine = pr.ours_name(overrides)
     ours = pr.train_ours(cell, steps, overrides, 0, mine)
     heads = {"ours": cell / f"{mine}-vllm"}
+    inputs = pr.peer_inputs(cell, mine)
     for peer in peers:
         name = f"{peer}-lr{lr:g}-ttt{ttt}"
-        pr.train_peer(peer, cell, ours, recipe, pr.with_point(peer, pp.PEERS[peer], lr, ttt), threads, 0, name, mine)
+        pr.train_peer(peer, cell, ours, inputs, recipe, pr.with_point(peer, pp.PEERS[peer], lr, ttt), threads, 0, name)
         heads[peer] = cell / name / "vllm"
     return heads
 
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         tuned = pr.keep(args.results / "tuned.json", key, {
             **{t: best(grid, t) for t in trainers}, "k": K, "grid": grid, "machine": machine_line(),
             "wall_s": round(time.monotonic() - started, 1)})
-    print(f"\n| lr | TTT | " + " | ".join(f"{t} α_1 | {t} MAL" for t in trainers) + " | lossless |")
+    print("\n| lr | TTT | " + " | ".join(f"{t} α_1 | {t} MAL" for t in trainers) + " | lossless |")
     print("|---:|---:|" + "---:|---:|" * len(trainers) + "---|")
     for g in tuned["grid"]:
         cells = " | ".join(f"{g[t]['alpha1']:.3f} | {g[t]['mal']:.3f}" for t in trainers)

@@ -126,12 +126,13 @@ def cost_rows(costs: dict) -> list[str]:
     return rows
 
 
-def ratio_line(costs: dict, what: str, ours: str, peer: str) -> str:
-    """``what`` of ``ours`` ÷ ``peer`` per run: mean ± standard error, and the range."""
-    ratios = [c[ours][what] / c[peer][what] for c in costs.values()]
+def ratio_line(costs: dict, label: str, ours: str, peer: str, what: str, theirs: str | None = None) -> str:
+    """``what`` of ``ours`` ÷ ``theirs`` (default: the same field) of ``peer`` per run: mean ± standard error, and the
+    range."""
+    ratios = [c[ours][what] / c[peer][theirs or what] for c in costs.values()]
     n, mean = len(ratios), sum(ratios) / len(ratios)
     se = math.sqrt(sum((r - mean) ** 2 for r in ratios) / (n - 1) / n) if n > 1 else math.inf
-    return f"{what}, {ours} ÷ {peer}: {mean:.2f} ± {se:.2f} ({min(ratios):.2f}–{max(ratios):.2f} over {n} runs)"
+    return f"{label}, {ours} ÷ {peer}: {mean:.2f} ± {se:.2f} ({min(ratios):.2f}–{max(ratios):.2f} over {n} runs)"
 
 
 def with_int_k(scores: dict) -> dict:
@@ -159,15 +160,12 @@ def report(outcomes: dict, rows: dict, ks: list[int], differences: list[str]) ->
             for ours in ("ours", "ours-exact"):
                 for line, said in goal_rows(scores, goal_k, peer, ours):
                     print(f"- {said}: {line}")
-            for ours in ("ours", "ours-exact"):
-                print(f"- {ratio_line(costs, 'tokens_per_s', ours, peer)} (higher: ours ahead)")
-            for ours in ("ours", "ours-exact"):
-                print(f"- {ratio_line(costs, 'bytes_per_token', ours, peer).replace('bytes_per_token', 'bytes/token')}"
-                      " as stored (lower: ours ahead)")
-            bf16 = {run: {**c, peer: {"bytes_per_token": c[peer]["bytes_per_token_bf16"]}} for run, c in costs.items()}
-            for ours in ("ours", "ours-exact"):
-                print(f"- {ratio_line(bf16, 'bytes_per_token', ours, peer).replace('bytes_per_token', 'bytes/token')}"
-                      f" with {peer}'s states at bf16")
+            for label, what, theirs, said in (("tokens_per_s", "tokens_per_s", None, "(higher: ours ahead)"),
+                                              ("bytes/token", "bytes_per_token", None, "as stored (lower: ours ahead)"),
+                                              ("bytes/token", "bytes_per_token", "bytes_per_token_bf16",
+                                               f"with {peer}'s states at bf16")):
+                for ours in ("ours", "ours-exact"):
+                    print(f"- {ratio_line(costs, label, ours, peer, what, theirs)} {said}")
     print("\nDifferences between the trainers that remain:")
     notes = {n for o in outcomes.values() for c in o["costs"].values() for v in c.values() for n in v.get("notes", [])}
     for line in differences + sorted(notes):

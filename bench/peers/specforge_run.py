@@ -62,7 +62,6 @@ def capture_features(job: dict, rows: list[dict], out: Path) -> tuple[int, int, 
     """Target forward over every row into ``out`` (fp32, the training dtype). Returns (bytes, tokens, seconds)."""
     from transformers import AutoModelForCausalLM
 
-
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(job["target"], dtype=torch.float32).eval()
     size, tokens = write_features(model, rows, out, job["max_length"], dtype=torch.float32)
