@@ -68,10 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     job = pp.scoring_job(recipe, sets, args.new_tokens, args.max_k)  # as peer_parity's, so its runs are reused
     plain = pp.served({**job, "head": None}, work / f"plain-{args.data}", "vllm-plain")
     # the cell's two heads as peer_parity scored them (its vLLM runs are reused), then the variant
-    pair = pp.score(cell, job, plain, [args.k], {"ours": cell / "ours-vllm", args.peer: peer})
-    gated_head = pp.score(gated, job, plain, [args.k], {"ours": gated / "ours-vllm"})["ours"]
-    scored = {("ours", "recipe"): pair["ours"], (args.peer, args.setting): pair[args.peer],
-              ("ours", "mask_gate input"): gated_head}
+    scored = {("ours", "recipe"): pp.score(cell, job, plain, [args.k], cell / "ours-vllm"),
+              (args.peer, args.setting): pp.score(cell, job, plain, [args.k], peer),
+              ("ours", "mask_gate input"): pp.score(gated, job, plain, [args.k], gated / "ours-vllm")}
     results: dict = {}
     for which, by_k in scored.items():
         for name, r in by_k[args.k].items():

@@ -27,8 +27,9 @@ For each data set, scale (``--rows`` × scale conversations, ``--steps`` × scal
    turns (``--prompts`` each, category-stratified), greedy, ``--new-tokens`` tokens, at k = 3 (``--k``). Lossless:
    every speculative output equals vLLM's plain output.
 
-Runs land in ``--work`` (default runs/peers); each cell's outcome (costs and vLLM's counters), the sweep's and the
-regenerated conversations land in ``--results`` (default bench/peer_results, committed as they land). A rerun starts
+Runs land in ``--work`` (default runs/peers). ``--results`` (default bench/peer_results, committed as they land)
+keeps each trainer's run as it ends (its cost and vLLM's counters, ``units/CELL/RUN.json``), each cell's outcome,
+the sweep's and the regenerated conversations: a session cut short loses only the run it was in. A rerun starts
 from scratch: regeneration, the sweep, every trainer and every vLLM run. With ``--reuse`` it keeps what was made
 under a key that still matches: the sha256 of the conversations, every side's settings, the seed, the target's
 weights and the code of this benchmark and of mtp_train; a cell whose outcome is in ``--results`` is not run again,
@@ -44,7 +45,6 @@ import functools
 import hashlib
 import json
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -56,7 +56,7 @@ from mtp_train.io import write_json_atomic  # noqa: E402
 
 from peer_runs import (DOLLY, MTP_TRAIN, RECIPE, RESULTS, RUNNERS, SGD, SPECFORGE, SPECULATORS,  # noqa: E402
                        VLLM_PYTHON, base_recipe, code_digest, dir_digest, fresh, keep, kept, ours_name, peer_inputs,
-                       run, train_ours, train_peer, with_point)
+                       run, train_ours, train_peer, unit, with_point)
 from peer_table import report  # noqa: E402
 from vllm_check import serve  # noqa: E402
 
@@ -161,46 +161,62 @@ def served(job: dict, work: Path, name: str) -> dict:
     return serve(VLLM_PYTHON, job, work, name)
 
 
-def score(cell: Path, job: dict, plain: dict, ks: list[int], heads: dict[str, Path]) -> dict:
-    """``[trainer][k][set]`` = vLLM's counters with each exported head (``heads``: trainer -> its directory in
-    ``cell``) and whether its outputs equal plain's."""
-    out: dict = {}
-    for trainer, head in heads.items():
-        out[trainer] = {}
-        label = str(head.relative_to(cell)).replace("/", "-")
-        for k in ks:
-            result = served({**job, "head": str(head), "head_sha256": dir_digest(head),
-                             "k": k, "method": "eagle3"}, cell, f"vllm-{label}-k{k}")
-            out[trainer][k] = {name: {"counts": r["counts"], "lossless": r["tokens"] == plain["sets"][name]["tokens"]}
-                               for name, r in result["sets"].items()}
+def score(cell: Path, job: dict, plain: dict, ks: list[int], head: Path) -> dict:
+    """``[k][set]`` = vLLM's counters with the exported head (its directory in ``cell``) and whether its outputs
+    equal plain's."""
+    label, out = str(head.relative_to(cell)).replace("/", "-"), {}
+    for k in ks:
+        result = served({**job, "head": str(head), "head_sha256": dir_digest(head), "k": k, "method": "eagle3"},
+                        cell, f"vllm-{label}-k{k}")
+        out[k] = {name: {"counts": r["counts"], "lossless": r["tokens"] == plain["sets"][name]["tokens"]}
+                  for name, r in result["sets"].items()}
     return out
 
 
 EXACT = ["train.teacher=exact", "precompute.topk=0"]  # ours as the peers train: the full-vocabulary teacher
 
 
-def run_cell(cell: Path, rows: dict, steps: int, seed: int, recipe: dict, threads: int, job: dict, plain, ks: list[int]
-             ) -> dict:
-    """Every row's trainers in one cell (a data set at one scale and seed), trained and scored:
-    ``{"costs": {setting: {trainer: cost}}, "scores": {setting: {trainer: {k: {set: ...}}}}}``. Beside ours
-    (``ours``), ``ours-exact`` trains the same head with the exact teacher and no top-K stored, as the peers train."""
-    ours_runs: dict[str, dict] = {}
-    costs: dict = {}
-    scores: dict = {}
+def run_cell(cell: Path, key: dict, rows: dict, steps: int, recipe: dict, threads: int, plain: Callable[[], dict],
+             ks: list[int], units: Path, reuse: bool) -> dict:
+    """Every row's trainers in one cell (a data set at one scale and seed; ``key``: the cell's, less its rows), each
+    run trained and scored as a unit kept in ``units`` (bench/peer_runs.py's :func:`unit`): ``{"costs": {setting:
+    {trainer: cost}}, "scores": {setting: {trainer: {k: {set: ...}}}}, "wall_s", "machine"}``, the wall time summed
+    over the units and their machines. Beside ours (``ours``), ``ours-exact`` trains the same head with the exact
+    teacher and no top-K stored, as the peers train. Ours trains in this process only when a run needs it: its own
+    unit, or a peer's, which trains on our stored tokens."""
+    trained: dict[str, dict] = {}
+
+    def ours(overrides: list[str]) -> tuple[dict, Path]:
+        name = ours_name(overrides)
+        if name not in trained:
+            trained[name] = train_ours(cell, steps, overrides, key["seed"], name)
+        return trained[name], cell / f"{name}-vllm"
+
+    def peer(trainer: str, name: str, overrides: list[str], settings: dict) -> tuple[dict, Path]:
+        base, _ = ours(overrides)
+        inputs = peer_inputs(cell, ours_name(overrides))
+        return train_peer(trainer, cell, base, inputs, recipe, settings, threads, key["seed"], name), cell / name / "vllm"
+
+    scored = functools.partial(score, cell, key["scoring"], ks=ks)
+    out: dict = {"costs": {}, "scores": {}}
+    made: dict[str, dict] = {}
     for setting, (overrides, theirs) in rows.items():
-        mine = {"ours": ours_name(overrides), "ours-exact": ours_name(overrides + EXACT)}
+        runs = {}
         for trainer, variant in (("ours", overrides), ("ours-exact", overrides + EXACT)):
-            if mine[trainer] not in ours_runs:
-                ours_runs[mine[trainer]] = train_ours(cell, steps, variant, seed, mine[trainer])
-        costs[setting] = {trainer: ours_runs[name] for trainer, name in mine.items()}
-        inputs = peer_inputs(cell, mine["ours"])
-        for peer, settings in theirs.items():
-            costs[setting][peer] = train_peer(peer, cell, ours_runs[mine["ours"]], inputs, recipe, settings, threads,
-                                              seed, f"{peer}-{setting}")
-        heads = {**{t: cell / f"{name}-vllm" for t, name in mine.items()},
-                 **{p: cell / f"{p}-{setting}" / "vllm" for p in theirs}}
-        scores[setting] = score(cell, job, plain(), ks, heads)
-    return {"costs": costs, "scores": scores}
+            path = units / f"{ours_name(variant)}.json"
+            runs[trainer] = made[path.name] = unit(path, {**key, "trainer": "ours", "overrides": variant}, reuse,
+                                                   functools.partial(ours, variant),
+                                                   lambda head: scored(plain(), head=head))
+        for name, settings in theirs.items():
+            path = units / f"{name}-{setting}.json"
+            runs[name] = made[path.name] = unit(
+                path, {**key, "trainer": name, "settings": settings, "ours": overrides}, reuse,
+                functools.partial(peer, name, f"{name}-{setting}", overrides, settings),
+                lambda head: scored(plain(), head=head))
+        out["costs"][setting] = {t: u["cost"] for t, u in runs.items()}
+        out["scores"][setting] = {t: u["scores"] for t, u in runs.items()}
+    return {**out, "wall_s": round(sum(u["wall_s"] for u in made.values()), 1),
+            "machine": sorted({u["machine"] for u in made.values()})}
 
 
 def tuned_settings(args: argparse.Namespace) -> None:
@@ -271,10 +287,10 @@ def main(argv: list[str] | None = None) -> int:
                 if outcome is None:
                     fresh(cell, key, args.reuse)
                     (cell / "conversations.jsonl").write_text(text)
-                    started = time.monotonic()
-                    outcome = run_cell(cell, rows, args.steps * scale, seed, recipe, args.threads, job, plain, args.k)
-                    outcome = keep(stored, key, {"run": f"{data} × {scale}, seed {seed}", "machine": machine_line(),
-                                                 "wall_s": round(time.monotonic() - started, 1), **outcome})
+                    outcome = run_cell(cell, {k: v for k, v in key.items() if k != "rows"}, rows, args.steps * scale,
+                                       recipe, args.threads, plain, args.k, args.results / "units" / cell.name,
+                                       args.reuse)
+                    outcome = keep(stored, key, {"run": f"{data} × {scale}, seed {seed}", **outcome})
                 outcomes[cell.name] = outcome
                 print(f"peer_parity: {outcome['run']} done ({outcome['wall_s']:.0f} s)", flush=True)
     report(outcomes, rows, args.k, DIFFERENCES)

@@ -12,6 +12,8 @@ import os
 import shutil
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -19,6 +21,7 @@ sys.path.insert(0, str(REPO))
 
 import yaml  # noqa: E402
 
+from bench.machine import machine_line  # noqa: E402
 from mtp_train.io import write_json_atomic  # noqa: E402
 from mtp_train.recipe import apply_overrides  # noqa: E402
 
@@ -29,9 +32,12 @@ RECIPE = REPO / "recipes" / "smollm2.yaml"
 SGD = REPO / "data" / "sgd" / "sgd_train_sharegpt.jsonl.gz"
 DOLLY = REPO / "data" / "general" / "prompts.jsonl.gz"
 MTP_TRAIN = [sys.executable, "-m", "mtp_train.cli"]
-CODE = ["mtp_train", "precompute", "eval", "bench/peers", "bench/peer_runs.py", "bench/peer_parity.py",
-        "bench/vllm_serve.py", "bench/vllm_check.py"]  # what results depend on, but data (bench/peer_table.py prints)
-RESULTS = REPO / "bench" / "peer_results"  # each cell's outcome and the sweep's, committed as they land
+# The code that trains, exports and serves every run. The drivers (bench/peer_parity.py, bench/peer_sweep.py) are left
+# out: what they decide is in each key as data (the conversations' sha256, settings, overrides, steps, seed, scoring
+# job), so a fix to how they print or order the runs keeps the runs already made.
+CODE = ["mtp_train", "precompute", "eval", "bench/peers", "bench/peer_runs.py", "bench/vllm_serve.py",
+        "bench/vllm_check.py"]
+RESULTS = REPO / "bench" / "peer_results"  # every trainer's run, each cell's and the sweep's, committed as they land
 WORKERS = 1  # loader threads, every side: ours prefetches its batches on one thread
 # SpecForge 0.2.0's own defaults (its config schema and every EAGLE-3 example; gradient clipping 0.5, AdamW betas
 # (0.9, 0.999) and the cosine to 0 are fixed in its code): lr, TTT length, warm-up ratio and a 32k draft vocabulary
@@ -110,6 +116,22 @@ def keep(path: Path, key: dict, outcome: dict) -> dict:
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, stored)
     return stored
+
+
+def unit(path: Path, key: dict, reuse: bool, make: Callable[[], tuple[dict, Path]], score: Callable[[Path], dict]
+         ) -> dict:
+    """One trainer's run, the part a session keeps as soon as it ends: ``{"cost", "scores", "machine", "wall_s"}``
+    stored at ``path`` under ``key``. Unless ``reuse`` finds it kept, trained (``make``: its cost and exported head)
+    and scored (``score``: the head's vLLM results); a session cut short loses only the run it was in. ``machine``
+    names the CPU (no bandwidth), so costs are set side by side only within one machine."""
+    outcome = kept(path, key, reuse)
+    if outcome is None:
+        started = time.monotonic()
+        cost, head = make()
+        machine = machine_line(bandwidth=False)
+        outcome = keep(path, key, {"cost": {**cost, "machine": machine}, "scores": score(head), "machine": machine,
+                                   "wall_s": round(time.monotonic() - started, 1)})
+    return json.loads(json.dumps(outcome))  # as kept: k as a string
 
 
 def base_recipe() -> dict:

@@ -12,17 +12,19 @@ lr and TTT length, at our number of optimizer steps and tokens per step, as in p
 are the first user turns of SGD training dialogues from row ``--rows`` × 4 on (peer_parity's largest cell trains on
 rows below that), ``--prompts`` of them. Writes ``RESULTS/tuned.json`` (each trainer's best point, the whole grid and
 its key's digest; RESULTS is bench/peer_results, committed) and prints the grid. Like peer_parity: from scratch unless
-``--reuse``, which keeps tuned.json when its key still matches. bench/peer_parity.py with ``--settings tuned`` runs
+``--reuse``, which keeps tuned.json when its key still matches, and each trainer's run at each point
+(``RESULTS/sweep``) when the key less the grid does: a session cut short loses only the run it was in. bench/peer_parity.py with ``--settings tuned`` runs
 this first, at its own cell size and scoring.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,19 +52,34 @@ def validation_prompts(first_row: int, n: int) -> dict[str, list[list[int]]]:
     return {"validation": [render_prompt(tokenizer, p.messages) for p in prompts]}
 
 
-def grid_point(cell: Path, recipe: dict, lr: float, ttt: int, steps: int, threads: int, peers: list[str]
-               ) -> dict[str, Path]:
-    """Every trainer at one point of the grid (seed 0); their exported heads."""
+def grid_point(cell: Path, key: dict, recipe: dict, lr: float, ttt: int, args: argparse.Namespace, job: dict,
+               plain: Callable[[], dict]) -> dict[str, dict]:
+    """Every trainer at one point of the grid (seed 0), each run a unit kept in ``RESULTS/sweep`` (bench/peer_runs.py's
+    :func:`unit`; ``key``: the sweep's, less its grid): per trainer its cost and vLLM results at k = 3."""
     overrides = [f"train.lr={lr}", f"train.unroll={ttt}"]
-    mine = pr.ours_name(overrides)
-    ours = pr.train_ours(cell, steps, overrides, 0, mine)
-    heads = {"ours": cell / f"{mine}-vllm"}
-    inputs = pr.peer_inputs(cell, mine)
-    for peer in peers:
-        name = f"{peer}-lr{lr:g}-ttt{ttt}"
-        pr.train_peer(peer, cell, ours, inputs, recipe, pr.with_point(peer, pp.PEERS[peer], lr, ttt), threads, 0, name)
-        heads[peer] = cell / name / "vllm"
-    return heads
+    mine, trained = pr.ours_name(overrides), []
+
+    def ours() -> tuple[dict, Path]:
+        if not trained:
+            trained.append(pr.train_ours(cell, args.steps, overrides, 0, mine))
+        return trained[0], cell / f"{mine}-vllm"
+
+    def peer(name: str, run: str, settings: dict) -> tuple[dict, Path]:
+        cost, _ = ours()
+        inputs = pr.peer_inputs(cell, mine)
+        return pr.train_peer(name, cell, cost, inputs, recipe, settings, args.threads, 0, run), cell / run / "vllm"
+
+    def scored(head: Path) -> dict:
+        return pp.score(cell, job, plain(), [K], head)
+
+    units = args.results / "sweep"
+    out = {"ours": pr.unit(units / f"ours-lr{lr:g}-ttt{ttt}.json", {**key, "trainer": "ours", "overrides": overrides},
+                           args.reuse, ours, scored)}
+    for name in args.peers:
+        run, settings = f"{name}-lr{lr:g}-ttt{ttt}", pr.with_point(name, pp.PEERS[name], lr, ttt)
+        out[name] = pr.unit(units / f"{run}.json", {**key, "trainer": name, "settings": settings}, args.reuse,
+                            functools.partial(peer, name, run, settings), scored)
+    return out
 
 
 def best(grid: list[dict], trainer: str) -> dict:
@@ -94,18 +111,18 @@ def main(argv: list[str] | None = None) -> int:
     sets = validation_prompts(args.rows * 4, args.prompts)
     job = pp.scoring_job(recipe, sets, args.new_tokens, K)
     text = "".join(json.dumps(c) + "\n" for c in pp.conversations("sgd", args.rows))
-    key = {"recipe": recipe, "target": pr.dir_digest(Path(recipe["target"]["path"])), "code": pr.code_digest(
-        pr.CODE + ["bench/peer_sweep.py"]), "conversations": hashlib.sha256(text.encode()).hexdigest(),
+    key = {"recipe": recipe, "target": pr.dir_digest(Path(recipe["target"]["path"])), "code": pr.code_digest(),
+        "conversations": hashlib.sha256(text.encode()).hexdigest(),
         "steps": args.steps, "threads": args.threads, "scoring": job, "peers": {p: pp.PEERS[p] for p in args.peers},
         "grid": {"lr": args.lr, "ttt": args.ttt}}
     trainers = ["ours", *args.peers]
     tuned = pr.kept(args.results / "tuned.json", key, args.reuse)
     if tuned is None:
-        started = time.monotonic()
         grid = run_grid(work / "sweep-sgd-1x-s0", key, args, recipe, job, text)
         tuned = pr.keep(args.results / "tuned.json", key, {
-            **{t: best(grid, t) for t in trainers}, "k": K, "grid": grid, "machine": machine_line(),
-            "wall_s": round(time.monotonic() - started, 1)})
+            **{t: best(grid, t) for t in trainers}, "k": K, "grid": grid,
+            "machine": sorted({g[t]["machine"] for g in grid for t in trainers}),
+            "wall_s": round(sum(g[t]["wall_s"] for g in grid for t in trainers), 1)})
     print("\n| lr | TTT | " + " | ".join(f"{t} α_1 | {t} MAL" for t in trainers) + " | lossless |")
     print("|---:|---:|" + "---:|---:|" * len(trainers) + "---|")
     for g in tuned["grid"]:
@@ -114,29 +131,31 @@ def main(argv: list[str] | None = None) -> int:
     for trainer in trainers:
         b = tuned[trainer]
         print(f"- best for {trainer}: lr {b['lr']:g}, TTT {b['ttt']} (MAL {b['mal']:.3f} at k = {K})")
-    print(f"- the sweep took {tuned['wall_s']:.0f} s on {tuned['machine']}")
+    print(f"- the sweep's runs took {tuned['wall_s']:.0f} s in all, on {'; '.join(tuned['machine'])}")
     return 0
 
 
 def run_grid(cell: Path, key: dict, args: argparse.Namespace, recipe: dict, job: dict, text: str) -> list[dict]:
     """Every grid point trained and scored in ``cell``: per point its lr, TTT and each trainer's α_1, MAL, drafts
-    and whether its outputs were lossless. The cell's key leaves the grid out: each point's runs are named by its
-    lr and TTT, so with ``--reuse`` a wider grid trains only its new points."""
-    pr.fresh(cell, {k: v for k, v in key.items() if k != "grid"}, args.reuse)
+    and whether its outputs were lossless. Each trainer's run at each point is kept on its own, under the sweep's
+    key less the grid, so with ``--reuse`` a session cut short, or a wider grid, trains only the runs not kept."""
+    without_grid = {k: v for k, v in key.items() if k != "grid"}
+    pr.fresh(cell, without_grid, args.reuse)
     (cell / "conversations.jsonl").write_text(text)
-    plain = pp.served({**job, "head": None}, cell, "vllm-plain")
+    plain = functools.cache(lambda: pp.served({**job, "head": None}, cell, "vllm-plain"))
     grid = []
     for lr in args.lr:
         for ttt in args.ttt:
-            heads = grid_point(cell, recipe, lr, ttt, args.steps, args.threads, args.peers)
-            scores = pp.score(cell, job, plain, [K], heads)
+            runs = grid_point(cell, without_grid, recipe, lr, ttt, args, job, plain)
             point = {"lr": lr, "ttt": ttt}
-            for trainer, by_k in scores.items():
-                a = pooled([r["counts"] for r in by_k[K].values()])
+            for trainer, outcome in runs.items():
+                by_set = outcome["scores"][str(K)]
+                a = pooled([r["counts"] for r in by_set.values()])
                 point[trainer] = {"alpha1": round(a.alphas[0], 4), "mal": round(a.mal, 4), "drafts": a.drafts,
-                                  "lossless": all(r["lossless"] for r in by_k[K].values())}
+                                  "lossless": all(r["lossless"] for r in by_set.values()),
+                                  "machine": outcome["machine"], "wall_s": outcome["wall_s"]}
             grid.append(point)
-            print(f"peer_sweep: lr {lr:g}, TTT {ttt}: MAL " + ", ".join(f"{t} {point[t]['mal']:.3f}" for t in heads),
+            print(f"peer_sweep: lr {lr:g}, TTT {ttt}: MAL " + ", ".join(f"{t} {point[t]['mal']:.3f}" for t in runs),
                   flush=True)
     return grid
 

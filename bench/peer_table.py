@@ -127,12 +127,17 @@ def cost_rows(costs: dict) -> list[str]:
 
 
 def ratio_line(costs: dict, label: str, ours: str, peer: str, what: str, theirs: str | None = None) -> str:
-    """``what`` of ``ours`` ÷ ``theirs`` (default: the same field) of ``peer`` per run: mean ± standard error, and the
+    """``what`` of ``ours`` ÷ ``theirs`` (default: the same field) of ``peer`` per run whose two sides ran on one
+    machine (a cost's ``machine``; runs kept from other sessions may not have): mean ± standard error, and the
     range."""
-    ratios = [c[ours][what] / c[peer][theirs or what] for c in costs.values()]
+    ratios = [c[ours][what] / c[peer][theirs or what] for c in costs.values()
+              if c[ours].get("machine") == c[peer].get("machine")]
+    if not ratios:
+        return f"{label}, {ours} ÷ {peer}: no run with both sides on one machine"
     n, mean = len(ratios), sum(ratios) / len(ratios)
     se = math.sqrt(sum((r - mean) ** 2 for r in ratios) / (n - 1) / n) if n > 1 else math.inf
-    return f"{label}, {ours} ÷ {peer}: {mean:.2f} ± {se:.2f} ({min(ratios):.2f}–{max(ratios):.2f} over {n} runs)"
+    return (f"{label}, {ours} ÷ {peer}: {mean:.2f} ± {se:.2f} ({min(ratios):.2f}–{max(ratios):.2f} over {n} runs "
+            "on one machine each)")
 
 
 def with_int_k(scores: dict) -> dict:
@@ -171,4 +176,6 @@ def report(outcomes: dict, rows: dict, ks: list[int], differences: list[str]) ->
     for line in differences + sorted(notes):
         print(f"- {line}")
     wall = sum(o["wall_s"] for o in outcomes.values())
-    print(f"\nWall time of the {len(outcomes)} cells: {wall / 3600:.2f} h (each cell's, summed; see its machine)")
+    machines = sorted({m for o in outcomes.values() for m in o["machine"]})
+    print(f"\nWall time of the {len(outcomes)} cells: {wall / 3600:.2f} h (every run's, summed), on "
+          + "; ".join(machines))

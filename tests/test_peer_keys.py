@@ -108,14 +108,45 @@ def test_the_report_reads_stored_outcomes_and_sets_each_side_of_ours_against_eac
         by_trainer = {"ours": {"3": {"heldout": _counts(100, [60 + s, 30, 10])}},
                       "ours-exact": {"3": {"heldout": _counts(100, [40 + s, 20, 10])}},
                       "specforge": {"3": {"heldout": _counts(100, [50, 20, 10])}}}  # k as JSON stores it
-        costs = {"ours": _cost(3000 + s, 4800), "ours-exact": _cost(2000 + s, 4610),
-                 "specforge": _cost(1000, 9230, bytes_per_token_bf16=4622)}
+        theirs = "cpu y" if s == 2 else "cpu x"  # a peer's run kept from another machine: no cost ratio
+        costs = {"ours": _cost(3000 + s, 4800, machine="cpu x"), "ours-exact": _cost(2000 + s, 4610, machine="cpu x"),
+                 "specforge": _cost(1000, 9230, bytes_per_token_bf16=4622, machine=theirs)}
         outcomes[f"sgd-1x-s{s}"] = {"run": f"sgd × 1, seed {s}", "wall_s": 600.0, "costs": {"defaults": costs},
-                                    "scores": {"defaults": by_trainer}}
+                                    "scores": {"defaults": by_trainer}, "machine": sorted({"cpu x", theirs})}
     report(outcomes, {"defaults": ([], {"specforge": {}})}, [3], ["a difference"])
     out = capsys.readouterr().out
     assert "- ahead: alpha1 at k = 3, ours − specforge over 3 runs (cells × seeds): +0.1100" in out
     assert "- behind: alpha1 at k = 3, ours-exact − specforge over 3 runs (cells × seeds): -0.0900" in out
-    assert "tokens_per_s, ours-exact ÷ specforge: 2.00 ± 0.00 (2.00–2.00 over 3 runs)" in out
+    assert "tokens_per_s, ours-exact ÷ specforge: 2.00 ± 0.00 (2.00–2.00 over 2 runs on one machine each)" in out
+    assert "tokens_per_s, ours ÷ specforge: 3.00 ± 0.00 (3.00–3.00 over 2 runs on one machine each)" in out
     assert "bytes/token, ours-exact ÷ specforge: 0.50" in out and "bytes/token, ours-exact ÷ specforge: 1.00" in out
-    assert "- a difference" in out and "Wall time of the 3 cells: 0.50 h" in out
+    assert "- a difference" in out and "Wall time of the 3 cells: 0.50 h (every run's, summed), on cpu x; cpu y" in out
+
+
+def test_a_run_is_kept_as_it_ends_and_only_a_run_not_kept_is_made_again(tmp_path: Path) -> None:
+    made: list[str] = []
+
+    def make(name: str) -> tuple[dict, Path]:
+        made.append(name)
+        return {"steps": 3}, tmp_path / name
+
+    def score(head: Path) -> dict:
+        return {3: {"heldout": {"head": head.name}}}
+
+    units, key = tmp_path / "units", {"seed": 0, "trainer": "ours"}
+    first = pr.unit(units / "ours.json", key, True, lambda: make("ours"), score)
+    assert made == ["ours"] and first["scores"] == {"3": {"heldout": {"head": "ours"}}}  # as kept: k a string
+    assert first["cost"]["machine"] == first["machine"] and first["wall_s"] >= 0
+
+    def cut_short() -> tuple[dict, Path]:
+        raise KeyboardInterrupt  # the session ends inside the second run
+
+    try:
+        pr.unit(units / "specforge.json", {**key, "trainer": "specforge"}, True, cut_short, score)
+    except KeyboardInterrupt:
+        pass
+    assert sorted(p.name for p in units.iterdir()) == ["ours.json"]  # nothing half-written
+    assert pr.unit(units / "ours.json", dict(key), True, lambda: make("again"), score) == first  # the next session
+    assert made == ["ours"]
+    assert pr.unit(units / "ours.json", key, False, lambda: make("again"), score)["scores"]["3"]["heldout"] == {
+        "head": "again"} and made == ["ours", "again"]  # without --reuse: made again
