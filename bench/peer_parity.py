@@ -272,11 +272,12 @@ def main(argv: list[str] | None = None) -> int:
     regenerated = (regenerate(args.work, args.results, shared, regen_rows, args.reuse)
                    if "dolly" in args.data else None)  # only Dolly's conversations are regenerated
     outcomes: dict = {}
-    for data in args.data:
-        sets = prompt_sets(data, args.prompts, regen_rows)
-        job = scoring_job(recipe, sets, args.new_tokens, max(args.k))
-        plain = plain_run(args.work / f"plain-{data}", {**shared, "job": job}, args.reuse)
-        for scale in args.scales:
+    jobs = {data: scoring_job(recipe, prompt_sets(data, args.prompts, regen_rows), args.new_tokens, max(args.k))
+            for data in args.data}
+    plains = {data: plain_run(args.work / f"plain-{data}", {**shared, "job": job}, args.reuse)
+              for data, job in jobs.items()}
+    for scale in args.scales:  # every data set and seed at the small scale first
+        for data, job in jobs.items():
             text = "".join(json.dumps(c) + "\n" for c in conversations(data, args.rows * scale, regenerated))
             for seed in args.seeds:
                 cell = args.work / f"{data}-{scale}x-s{seed}"
@@ -288,8 +289,8 @@ def main(argv: list[str] | None = None) -> int:
                     fresh(cell, key, args.reuse)
                     (cell / "conversations.jsonl").write_text(text)
                     outcome = run_cell(cell, {k: v for k, v in key.items() if k != "rows"}, rows, args.steps * scale,
-                                       recipe, args.threads, plain, args.k, args.results / "units" / cell.name,
-                                       args.reuse)
+                                       recipe, args.threads, plains[data], args.k,
+                                       args.results / "units" / cell.name, args.reuse)
                     outcome = keep(stored, key, {"run": f"{data} × {scale}, seed {seed}", **outcome})
                 outcomes[cell.name] = outcome
                 print(f"peer_parity: {outcome['run']} done ({outcome['wall_s']:.0f} s)", flush=True)

@@ -150,3 +150,36 @@ def test_a_run_is_kept_as_it_ends_and_only_a_run_not_kept_is_made_again(tmp_path
     assert made == ["ours"]
     assert pr.unit(units / "ours.json", key, False, lambda: make("again"), score)["scores"]["3"]["heldout"] == {
         "head": "again"} and made == ["ours", "again"]  # without --reuse: made again
+
+
+def test_a_cell_trains_each_run_once_and_a_rerun_makes_only_the_runs_not_kept(tmp_path: Path, monkeypatch) -> None:
+    trained: list[str] = []
+
+    def train_ours(cell: Path, steps: int, overrides: list[str], seed: int, name: str) -> dict:
+        trained.append(name)
+        return {"steps": steps, "tokens_trained": 100}
+
+    def train_peer(peer: str, cell: Path, ours: dict, inputs, recipe, settings, threads, seed, name) -> dict:
+        assert ours["steps"] == 30 and inputs == f"tokens of {cell.name}/ours"
+        trained.append(name)
+        return {"steps": ours["steps"], "lr": settings["lr"]}
+
+    monkeypatch.setattr(pp, "train_ours", train_ours)
+    monkeypatch.setattr(pp, "train_peer", train_peer)
+    monkeypatch.setattr(pp, "peer_inputs", lambda cell, ours: f"tokens of {cell.name}/{ours}")
+    monkeypatch.setattr(pp, "score", lambda cell, job, plain, ks, head: {k: {"heldout": head.name} for k in ks})
+    rows = {"defaults": ([], {"specforge": {"lr": 1e-4}}), "tuned": ([], {"specforge": {"lr": 3e-3}})}
+    cell, units, key = tmp_path / "sgd-1x-s0", tmp_path / "units", {"seed": 0, "scoring": {}}
+
+    def run(reuse: bool) -> dict:
+        return pp.run_cell(cell, key, rows, 30, {}, 2, lambda: {}, [3], units, reuse)
+
+    first = run(False)
+    assert trained == ["ours", pr.ours_name(pp.EXACT), "specforge-defaults", "specforge-tuned"]
+    assert first["costs"]["tuned"]["specforge"]["lr"] == 3e-3 and first["costs"]["tuned"]["ours"]["steps"] == 30
+    assert first["scores"]["defaults"]["ours-exact"] == {"3": {"heldout": pr.ours_name(pp.EXACT) + "-vllm"}}
+    trained.clear()
+    assert run(True)["scores"] == first["scores"] and trained == []  # everything kept
+    (units / "specforge-tuned.json").unlink()  # the session ended inside this run
+    assert run(True)["costs"]["tuned"]["specforge"]["lr"] == 3e-3
+    assert trained == ["ours", "specforge-tuned"]  # ours again only for the tokens the peer trains on
