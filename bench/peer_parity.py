@@ -41,11 +41,12 @@ cannot be removed and the cells' wall time; ``WORK/peer_parity.json`` holds the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import hashlib
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -260,7 +261,31 @@ def main(argv: list[str] | None = None) -> int:
         if not python.is_file():
             sys.exit(f"peer_parity: {python} not found; run `make {make}` first")
     args.work, args.results = args.work.resolve(), args.results.resolve()
-    args.work.mkdir(parents=True, exist_ok=True)
+    with held(args.work, "peer_parity"):
+        return compare(args)
+
+
+@contextlib.contextmanager
+def held(work: Path, script: str) -> Iterator[None]:
+    """One run of ``script`` at a time in ``work`` (mtp_train's lock, released however the run ends but a kill,
+    taken over after one): a second stops in one line naming the first."""
+    from mtp_train.errors import UserError
+    from mtp_train.lock import acquire, release
+
+    work.mkdir(parents=True, exist_ok=True)
+    lock = work / f"{script}.lock"
+    try:
+        record = acquire(lock, f"bench/{script}.py in {work}")
+    except UserError as e:
+        sys.exit(f"{script}: {e}")
+    try:
+        yield
+    finally:
+        release(lock, record)
+
+
+def compare(args: argparse.Namespace) -> int:
+    """The sweep (for the tuned row), the regeneration, every cell and the report."""
     if "tuned" in args.settings:
         tuned_settings(args)
     recipe = base_recipe()

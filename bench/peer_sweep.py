@@ -106,6 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     for python, make in [(pr.VLLM_PYTHON, "vllm")] + [pr.RUNNERS[peer] for peer in args.peers]:
         if not python.is_file():
             sys.exit(f"peer_sweep: {python} not found; run `make {make}` first")
+    with pp.held(args.work.resolve(), "peer_sweep"):
+        return sweep(args)
+
+
+def sweep(args: argparse.Namespace) -> int:
+    """The grid trained and scored (or kept), ``tuned.json`` written, the grid printed."""
     work = args.work.resolve()
     recipe = pr.base_recipe()
     sets = validation_prompts(args.rows * 4, args.prompts)

@@ -183,3 +183,18 @@ def test_a_cell_trains_each_run_once_and_a_rerun_makes_only_the_runs_not_kept(tm
     (units / "specforge-tuned.json").unlink()  # the session ended inside this run
     assert run(True)["costs"]["tuned"]["specforge"]["lr"] == 3e-3
     assert trained == ["ours", "specforge-tuned"]  # ours again only for the tokens the peer trains on
+
+
+def test_a_second_run_on_the_same_work_directory_stops_in_one_line(tmp_path: Path) -> None:
+    import pytest
+
+    with pp.held(tmp_path, "peer_parity"):
+        with pytest.raises(SystemExit) as stopped:
+            with pp.held(tmp_path, "peer_parity"):
+                pass
+        assert str(stopped.value).startswith(f"peer_parity: bench/peer_parity.py in {tmp_path}: ")
+        with pp.held(tmp_path, "peer_sweep"):  # the sweep, run by the comparison in its process
+            pass
+    with pp.held(tmp_path, "peer_parity"):  # released when the first ended
+        pass
+    assert list(tmp_path.iterdir()) == []
