@@ -3,9 +3,12 @@
 
     make smollm2 vllm peers speculators    # once: the target, vLLM, SpecForge and speculators (own virtualenvs)
     .venv/bin/python bench/peer_parity.py [--rows 80] [--steps 30] [--scales 1 4] [--data sgd dolly] [--seeds 0 1 2]
-                                          [--settings defaults tuned] [--peers specforge speculators] [--reuse]
+                                          [--settings tuned defaults] [--peers specforge speculators] [--reuse]
+                                          [--untuned-seeds 0] [--speculators-scales 1]
 
-For each data set, scale (``--rows`` × scale conversations, ``--steps`` × scale steps) and training seed, a cell:
+For each data set, scale (``--rows`` × scale conversations, ``--steps`` × scale steps) and training seed, a cell
+(scale by scale; the tuned row at every seed, the other rows at ``--untuned-seeds``, speculators at
+``--speculators-scales``: the CPU hours go to the goals' row):
 
 1. **The conversations.** ``dolly``: the recipe's data (recipes/smollm2.yaml), Dolly prompts answered by SmolLM2
    itself (greedy, at most 96 tokens; regenerated once, rows × the largest scale; each cell takes its first rows).
@@ -247,13 +250,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--regen-rows", type=int, help="Dolly rows regenerated once (default and least: rows × the "
                         "largest scale); the held-out prompts come after them")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="training seeds, every trainer")
-    parser.add_argument("--settings", nargs="+", default=["defaults", "tuned"],
+    parser.add_argument("--settings", nargs="+", default=["tuned", "defaults"],
                         choices=("defaults", "matched", "tuned"), help="rows: each trainer at its own defaults; the "
                         "peers at our settings; each at its best lr and TTT length (bench/peer_sweep.py runs first)")
     parser.add_argument("--sweep-lr", type=float, nargs="+", default=[3e-4, 1e-3, 3e-3, 1e-2], help="the tuned "
                         "row's grid of learning rates (bench/peer_sweep.py)")
     parser.add_argument("--sweep-ttt", type=int, nargs="+", default=[2, 7], help="the tuned row's grid of TTT lengths")
     parser.add_argument("--peers", nargs="+", default=list(PEERS), choices=list(PEERS))
+    parser.add_argument("--untuned-seeds", type=int, nargs="+", default=[0], help="the seeds at which the rows "
+                        "other than tuned run (the goals read the tuned row, at every seed)")
+    parser.add_argument("--speculators-scales", type=int, nargs="+", default=[1], help="the scales at which "
+                        "speculators trains (its steps cost about 9 s each on 2 cores)")
     parser.add_argument("--reuse", action="store_true", help="keep runs whose key matches (default: from scratch)")
     args = parser.parse_args(argv)
     print(machine_line(), flush=True)
@@ -307,14 +314,15 @@ def compare(args: argparse.Namespace) -> int:
             for seed in args.seeds:
                 cell = args.work / f"{data}-{scale}x-s{seed}"
                 key = {**shared, "conversations": hashlib.sha256(text.encode()).hexdigest(), "seed": seed,
-                       "steps": args.steps * scale, "scoring": job, "k": args.k, "rows": rows}
+                       "steps": args.steps * scale, "scoring": job, "k": args.k,
+                       "rows": cell_rows(rows, scale, seed, args)}
                 stored = args.results / f"{cell.name}.json"
                 outcome = kept(stored, key, args.reuse)
                 if outcome is None:
                     fresh(cell, key, args.reuse)
                     (cell / "conversations.jsonl").write_text(text)
-                    outcome = run_cell(cell, {k: v for k, v in key.items() if k != "rows"}, rows, args.steps * scale,
-                                       recipe, args.threads, plains[data], args.k,
+                    outcome = run_cell(cell, {k: v for k, v in key.items() if k != "rows"}, key["rows"],
+                                       args.steps * scale, recipe, args.threads, plains[data], args.k,
                                        args.results / "units" / cell.name, args.reuse)
                     outcome = keep(stored, key, {"run": f"{data} × {scale}, seed {seed}", **outcome})
                 outcomes[cell.name] = outcome
@@ -323,6 +331,14 @@ def compare(args: argparse.Namespace) -> int:
     write_json_atomic(args.work / "peer_parity.json", {"cells": outcomes, "rows": rows, "args": {
         k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}})
     return 0
+
+
+def cell_rows(rows: dict, scale: int, seed: int, args: argparse.Namespace) -> dict:
+    """The rows a cell runs: tuned at every seed, the others at ``--untuned-seeds``; speculators at
+    ``--speculators-scales`` only."""
+    return {name: (overrides, {p: s for p, s in theirs.items() if p != "speculators" or scale in
+                               args.speculators_scales})
+            for name, (overrides, theirs) in rows.items() if name == "tuned" or seed in args.untuned_seeds}
 
 
 def plain_run(directory: Path, key: dict, reuse: bool) -> Callable[[], dict]:

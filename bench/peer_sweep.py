@@ -4,7 +4,7 @@ k = 3 on a validation split, SGD training dialogues that no cell trains on.
 
     make smollm2 vllm peers speculators
     .venv/bin/python bench/peer_sweep.py [--lr 3e-4 1e-3 3e-3 1e-2] [--ttt 2 7]
-    .venv/bin/python bench/peer_parity.py --settings defaults tuned
+    .venv/bin/python bench/peer_parity.py --settings tuned defaults
 
 At each grid point: ours is recipes/smollm2.yaml with ``train.lr`` and ``train.unroll`` set; each peer is at its own
 defaults (SpecForge: its warm-up ratio and 32k draft vocabulary; speculators: Muon, the full vocabulary) with that

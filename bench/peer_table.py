@@ -59,10 +59,13 @@ def pooled(counts: list[dict]) -> Acceptance:
 
 
 def paired_differences(scores: dict, k: int, peer: str, ours: str = "ours") -> dict[str, list[float]]:
-    """``{"alpha1": [...], "mal": [...]}``: ``ours`` minus ``peer`` per run (a cell at one seed), each side's counters
-    pooled over the run's prompt sets. ``scores[run][trainer][k][set]`` as :func:`acceptance_rows` reads them."""
+    """``{"alpha1": [...], "mal": [...]}``: ``ours`` minus ``peer`` per run (a cell at one seed) that trained both,
+    each side's counters pooled over the run's prompt sets. ``scores[run][trainer][k][set]`` as
+    :func:`acceptance_rows` reads them."""
     out: dict[str, list[float]] = {"alpha1": [], "mal": []}
     for s in scores.values():
+        if ours not in s or peer not in s:
+            continue
         a, b = (pooled([r["counts"] for r in s[t][k].values()]) for t in (ours, peer))
         out["alpha1"].append(a.alphas[0] - b.alphas[0])
         out["mal"].append(a.mal - b.mal)
@@ -78,21 +81,22 @@ def verdict(differences: list[float]) -> tuple[float, float, str]:
     return mean, se, "ahead" if mean > 2 * se else "behind" if mean < -2 * se else "level"
 
 
-def acceptance_rows(run: str, scores: dict, ks: list[int]) -> list[str]:
-    """Markdown rows for one run (a cell at one seed): per prompt set and k, each trainer's α_1..α_k and MAL ± SE,
-    ours first, then whether every speculative output was lossless.
+def acceptance_rows(run: str, scores: dict, ks: list[int], trainers: list[str]) -> list[str]:
+    """Markdown rows for one run (a cell at one seed): per prompt set and k, each of ``trainers``' α_1..α_k and
+    MAL ± SE ("–" where the run did not train it), then whether every speculative output was lossless.
 
     ``scores[trainer][k][set]`` = ``{"counts": ..., "lossless": bool}``.
     """
     rows = []
     for name in scores["ours"][ks[0]]:
         for k in ks:
-            heads = [from_counts(scores[t][k][name]["counts"]) for t in scores]
+            heads = [from_counts(scores[t][k][name]["counts"]) if t in scores else None for t in trainers]
             lossless = all(scores[t][k][name]["lossless"] for t in scores)
-            rows.append(f"| {run} | {name} | {k} | " + " | ".join(' / '.join(f'{x:.3f}' for x in a.alphas)
-                                                               for a in heads)
-                        + " | " + " | ".join(f"{a.mal:.3f} ± {a.se_mal:.3f}" for a in heads)
-                        + f" | {' / '.join(str(a.drafts) for a in heads)} | {'yes' if lossless else 'NO'} |")
+            rows.append(f"| {run} | {name} | {k} | "
+                        + " | ".join(' / '.join(f'{x:.3f}' for x in a.alphas) if a else "–" for a in heads) + " | "
+                        + " | ".join(f"{a.mal:.3f} ± {a.se_mal:.3f}" if a else "–" for a in heads)
+                        + f" | {' / '.join(str(a.drafts) if a else '–' for a in heads)} | "
+                        + f"{'yes' if lossless else 'NO'} |")
     return rows
 
 
@@ -108,6 +112,9 @@ def goal_rows(scores: dict, k: int, peer: str, ours: str = "ours") -> list[tuple
     α_1 and in MAL. Returns ``(line, verdict)`` per measure."""
     out = []
     for measure, diffs in paired_differences(scores, k, peer, ours).items():
+        if not diffs:
+            out.append((f"{measure} at k = {k}, {ours} − {peer}: no run trained both", "no claim"))
+            continue
         mean, se, said = verdict(diffs)
         out.append((f"{measure} at k = {k}, {ours} − {peer} over {len(diffs)} runs (cells × seeds): "
                     f"{mean:+.4f} ± {se:.4f}", said))
@@ -131,7 +138,7 @@ def ratio_line(costs: dict, label: str, ours: str, peer: str, what: str, theirs:
     machine (a cost's ``machine``; runs kept from other sessions may not have): mean ± standard error, and the
     range."""
     ratios = [c[ours][what] / c[peer][theirs or what] for c in costs.values()
-              if c[ours].get("machine") == c[peer].get("machine")]
+              if peer in c and c[ours].get("machine") == c[peer].get("machine")]
     if not ratios:
         return f"{label}, {ours} ÷ {peer}: no run with both sides on one machine"
     n, mean = len(ratios), sum(ratios) / len(ratios)
@@ -152,12 +159,16 @@ def report(outcomes: dict, rows: dict, ks: list[int], differences: list[str]) ->
     the cost ratios; then the differences that remain and the wall time."""
     goal_k = 3 if 3 in ks else max(ks)
     for setting, (overrides, theirs) in rows.items():
-        scores = {o["run"]: with_int_k(o["scores"][setting]) for o in outcomes.values()}
-        costs = {o["run"]: o["costs"][setting] for o in outcomes.values()}
+        ran = [o for o in outcomes.values() if setting in o["scores"]]  # a row may run at some seeds only
+        if not ran:
+            continue
+        scores = {o["run"]: with_int_k(o["scores"][setting]) for o in ran}
+        costs = {o["run"]: o["costs"][setting] for o in ran}
+        trainers = ["ours", "ours-exact", *theirs]
         print(f"\n### {setting}: ours {' '.join(overrides) or 'as recipes/smollm2.yaml'}; {theirs}\n")
-        print(acceptance_header(list(next(iter(scores.values())))))
+        print(acceptance_header(trainers))
         for name, s in scores.items():
-            print("\n".join(acceptance_rows(name, s, ks)))
+            print("\n".join(acceptance_rows(name, s, ks, trainers)))
         print()
         print("\n".join(cost_rows(costs)))
         print(f"\nGoals at k = {goal_k}, pooled over cells and seeds (ahead: by more than 2 standard errors):")

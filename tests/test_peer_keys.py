@@ -198,3 +198,15 @@ def test_a_second_run_on_the_same_work_directory_stops_in_one_line(tmp_path: Pat
     with pp.held(tmp_path, "peer_parity"):  # released when the first ended
         pass
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_tuned_row_runs_at_every_seed_and_speculators_only_at_its_scales() -> None:
+    import argparse
+
+    args = argparse.Namespace(untuned_seeds=[0], speculators_scales=[1])
+    rows = {"tuned": (["train.lr=0.003"], {"specforge": {"lr": 3e-3}, "speculators": {"lr": 1e-2}}),
+            "defaults": ([], {"specforge": {"lr": 1e-4}, "speculators": {"lr": 1e-3}})}
+    assert pp.cell_rows(rows, 1, 0, args) == rows
+    assert pp.cell_rows(rows, 1, 2, args) == {"tuned": rows["tuned"]}
+    assert pp.cell_rows(rows, 4, 0, args) == {"tuned": (["train.lr=0.003"], {"specforge": {"lr": 3e-3}}),
+                                              "defaults": ([], {"specforge": {"lr": 1e-4}})}
