@@ -3,7 +3,7 @@ every trainer, trained on one cell (SGD as written, scale 1, seed 0) and chosen 
 k = 3 on a validation split, SGD training dialogues that no cell trains on.
 
     make smollm2 vllm peers speculators
-    .venv/bin/python bench/peer_sweep.py [--lr 3e-4 1e-3 3e-3 1e-2] [--ttt 2 7]
+    .venv/bin/python bench/peer_sweep.py [--lr 3e-4 1e-3 3e-3 1e-2] [--ttt 2 7] [--reuse] [--kept]
     .venv/bin/python bench/peer_parity.py --settings tuned defaults
 
 At each grid point: ours is recipes/smollm2.yaml with ``train.lr`` and ``train.unroll`` set; each peer is at its own
@@ -13,7 +13,8 @@ are the first user turns of SGD training dialogues from row ``--rows`` × 4 on (
 rows below that), ``--prompts`` of them. Writes ``RESULTS/tuned.json`` (each trainer's best point, the whole grid and
 its key's digest; RESULTS is bench/peer_results, committed) and prints the grid. Like peer_parity: from scratch unless
 ``--reuse``, which keeps tuned.json when its key still matches, and each trainer's run at each point
-(``RESULTS/sweep``) when the key less the grid does: a session cut short loses only the run it was in. bench/peer_parity.py with ``--settings tuned`` runs
+(``RESULTS/sweep``) when the key less the grid does: a session cut short loses only the run it was in. ``--kept``
+prints the grid as far as ``RESULTS/sweep`` holds it under the current key and trains nothing. bench/peer_parity.py with ``--settings tuned`` runs
 this first, at its own cell size and scoring.
 """
 
@@ -52,11 +53,23 @@ def validation_prompts(first_row: int, n: int) -> dict[str, list[list[int]]]:
     return {"validation": [render_prompt(tokenizer, p.messages) for p in prompts]}
 
 
+def point_runs(key: dict, lr: float, ttt: int, peers: list[str], results: Path) -> dict[str, tuple[Path, dict]]:
+    """Per trainer at one grid point: where its run is kept (``RESULTS/sweep``) and under which key (``key``: the
+    sweep's, less its grid; ours' overrides or the peer's settings)."""
+    units, overrides = results / "sweep", [f"train.lr={lr}", f"train.unroll={ttt}"]
+    out = {"ours": (units / f"ours-lr{lr:g}-ttt{ttt}.json", {**key, "trainer": "ours", "overrides": overrides})}
+    for name in peers:
+        settings = pr.with_point(name, pp.PEERS[name], lr, ttt)
+        out[name] = (units / f"{name}-lr{lr:g}-ttt{ttt}.json", {**key, "trainer": name, "settings": settings})
+    return out
+
+
 def grid_point(cell: Path, key: dict, recipe: dict, lr: float, ttt: int, args: argparse.Namespace, job: dict,
                plain: Callable[[], dict]) -> dict[str, dict]:
     """Every trainer at one point of the grid (seed 0), each run a unit kept in ``RESULTS/sweep`` (bench/peer_runs.py's
     :func:`unit`; ``key``: the sweep's, less its grid): per trainer its cost and vLLM results at k = 3."""
-    overrides = [f"train.lr={lr}", f"train.unroll={ttt}"]
+    runs = point_runs(key, lr, ttt, args.peers, args.results)
+    overrides = runs["ours"][1]["overrides"]
     mine, trained = pr.ours_name(overrides), []
 
     def ours() -> tuple[dict, Path]:
@@ -64,22 +77,35 @@ def grid_point(cell: Path, key: dict, recipe: dict, lr: float, ttt: int, args: a
             trained.append(pr.train_ours(cell, args.steps, overrides, 0, mine))
         return trained[0], cell / f"{mine}-vllm"
 
-    def peer(name: str, run: str, settings: dict) -> tuple[dict, Path]:
+    def peer(name: str) -> tuple[dict, Path]:
         cost, _ = ours()
-        inputs = pr.peer_inputs(cell, mine)
-        return pr.train_peer(name, cell, cost, inputs, recipe, settings, args.threads, 0, run), cell / run / "vllm"
+        inputs, run = pr.peer_inputs(cell, mine), runs[name][0].stem
+        return (pr.train_peer(name, cell, cost, inputs, recipe, runs[name][1]["settings"], args.threads, 0, run),
+                cell / run / "vllm")
 
     def scored(head: Path) -> dict:
         return pp.score(cell, job, plain(), [K], head)
 
-    units = args.results / "sweep"
-    out = {"ours": pr.unit(units / f"ours-lr{lr:g}-ttt{ttt}.json", {**key, "trainer": "ours", "overrides": overrides},
-                           args.reuse, ours, scored)}
-    for name in args.peers:
-        run, settings = f"{name}-lr{lr:g}-ttt{ttt}", pr.with_point(name, pp.PEERS[name], lr, ttt)
-        out[name] = pr.unit(units / f"{run}.json", {**key, "trainer": name, "settings": settings}, args.reuse,
-                            functools.partial(peer, name, run, settings), scored)
-    return out
+    return {name: pr.unit(path, unit_key, args.reuse, ours if name == "ours" else functools.partial(peer, name),
+                          scored)
+            for name, (path, unit_key) in runs.items()}
+
+
+def print_kept(key: dict, args: argparse.Namespace) -> None:
+    """The grid as far as ``RESULTS/sweep`` holds it under this key (``--kept``: nothing is trained): MAL at k = 3
+    per trainer, "–" for a run not made yet."""
+    trainers = ["ours", *args.peers]
+    print("\n| lr | TTT | " + " | ".join(trainers) + " | lossless |")
+    print("|---:|---:|" + "---:|" * len(trainers) + "---|")
+    for lr in args.lr:
+        for ttt in args.ttt:
+            kept = {name: pr.kept(path, unit_key, True)
+                    for name, (path, unit_key) in point_runs(key, lr, ttt, args.peers, args.results).items()}
+            sets = {name: list(o["scores"][str(K)].values()) for name, o in kept.items() if o}
+            mal = {name: pooled([r["counts"] for r in v]).mal for name, v in sets.items()}
+            lossless = all(r["lossless"] for v in sets.values() for r in v)
+            print(f"| {lr:g} | {ttt} | " + " | ".join(f"{mal[t]:.3f}" if t in mal else "–" for t in trainers)
+                  + f" | {('yes' if lossless else 'NO') if sets else '–'} |")
 
 
 def best(grid: list[dict], trainer: str) -> dict:
@@ -101,11 +127,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, default=pr.RESULTS, help="where tuned.json goes (committed)")
     parser.add_argument("--peers", nargs="+", default=list(pp.PEERS), choices=list(pp.PEERS))
     parser.add_argument("--reuse", action="store_true", help="keep runs whose key matches (default: from scratch)")
+    parser.add_argument("--kept", action="store_true", help="print the grid as far as RESULTS/sweep holds it; train "
+                        "nothing")
     args = parser.parse_args(argv)
+    args.results = args.results.resolve()
     print(machine_line(), flush=True)
     for python, make in [(pr.VLLM_PYTHON, "vllm")] + [pr.RUNNERS[peer] for peer in args.peers]:
         if not python.is_file():
             sys.exit(f"peer_sweep: {python} not found; run `make {make}` first")
+    if args.kept:
+        return sweep(args)
     with pp.held(args.work.resolve(), "peer_sweep"):
         return sweep(args)
 
@@ -121,6 +152,9 @@ def sweep(args: argparse.Namespace) -> int:
         "conversations": hashlib.sha256(text.encode()).hexdigest(),
         "steps": args.steps, "threads": args.threads, "scoring": job, "peers": {p: pp.PEERS[p] for p in args.peers},
         "grid": {"lr": args.lr, "ttt": args.ttt}}
+    if args.kept:
+        print_kept({k: v for k, v in key.items() if k != "grid"}, args)
+        return 0
     trainers = ["ours", *args.peers]
     tuned = pr.kept(args.results / "tuned.json", key, args.reuse)
     if tuned is None:

@@ -210,3 +210,20 @@ def test_the_tuned_row_runs_at_every_seed_and_speculators_only_at_its_scales() -
     assert pp.cell_rows(rows, 1, 2, args) == {"tuned": rows["tuned"]}
     assert pp.cell_rows(rows, 4, 0, args) == {"tuned": (["train.lr=0.003"], {"specforge": {"lr": 3e-3}}),
                                               "defaults": ([], {"specforge": {"lr": 1e-4}})}
+
+
+def test_the_sweep_prints_the_grid_as_far_as_its_runs_are_kept(tmp_path: Path, capsys) -> None:
+    import argparse
+
+    import peer_sweep
+
+    args = argparse.Namespace(lr=[1e-3, 3e-3], ttt=[2], peers=["specforge"], results=tmp_path)
+    key = {"code": "c1", "steps": 30}
+    runs = peer_sweep.point_runs(key, 1e-3, 2, ["specforge"], tmp_path)
+    assert runs["specforge"][0] == tmp_path / "sweep" / "specforge-lr0.001-ttt2.json"
+    assert runs["specforge"][1]["settings"] == {**pr.SPECFORGE, "lr": 1e-3, "ttt_length": 2}
+    pr.keep(runs["ours"][0], runs["ours"][1], {"scores": {"3": {"validation": _counts(100, [30, 10, 0])}}})
+    pr.keep(runs["specforge"][0], {**runs["specforge"][1], "code": "c0"}, {"scores": {}})  # made by other code
+    peer_sweep.print_kept(key, args)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2:] == ["| 0.001 | 2 | 1.400 | – | yes |", "| 0.003 | 2 | – | – | – |"]
