@@ -35,8 +35,9 @@ keeps each trainer's run as it ends (its cost and vLLM's counters, ``units/CELL/
 the sweep's and the regenerated conversations: a session cut short loses only the run it was in. A rerun starts
 from scratch: regeneration, the sweep, every trainer and every vLLM run. With ``--reuse`` it keeps what was made
 under a key that still matches: the sha256 of the conversations, every side's settings, the seed, the target's
-weights and the code of this benchmark and of mtp_train; a cell whose outcome is in ``--results`` is not run again,
-on any machine. vLLM's results are keyed by the served head's sha256. Prints, per row of settings, the acceptance
+weights and the code that trains, exports and serves (bench/peer_runs.py's ``CODE``); a run or cell whose outcome
+is in ``--results`` is not run again, on any machine (acceptance pools across machines; costs are set side by side
+only within one). vLLM's results are keyed by the served head's sha256. Prints, per row of settings, the acceptance
 per run, the costs, the goals at k = 3 pooled over cells and seeds; then the differences between the trainers that
 cannot be removed and the cells' wall time; ``WORK/peer_parity.json`` holds the numbers.
 """
@@ -180,28 +181,40 @@ def score(cell: Path, job: dict, plain: dict, ks: list[int], head: Path) -> dict
 EXACT = ["train.teacher=exact", "precompute.topk=0"]  # ours as the peers train: the full-vocabulary teacher
 
 
+class Trainers:
+    """The runs of one cell (or sweep point) at one seed: ours trained at most once per overrides in this process,
+    and only when a run needs it (its own, or a peer's, which trains on our stored tokens). Each method returns the
+    run's cost and its exported head, as bench/peer_runs.py's :func:`unit` takes them."""
+
+    def __init__(self, cell: Path, steps: int, seed: int, recipe: dict, threads: int) -> None:
+        self.cell, self.steps, self.seed, self.recipe, self.threads = cell, steps, seed, recipe, threads
+        self.trained: dict[str, dict] = {}
+
+    def ours(self, overrides: list[str]) -> tuple[dict, Path]:
+        name = ours_name(overrides)
+        if name not in self.trained:
+            self.trained[name] = train_ours(self.cell, self.steps, overrides, self.seed, name)
+        return self.trained[name], self.cell / f"{name}-vllm"
+
+    def peer(self, trainer: str, name: str, overrides: list[str], settings: dict) -> tuple[dict, Path]:
+        base, _ = self.ours(overrides)
+        inputs = peer_inputs(self.cell, ours_name(overrides))
+        return (train_peer(trainer, self.cell, base, inputs, self.recipe, settings, self.threads, self.seed, name),
+                self.cell / name / "vllm")
+
+
 def run_cell(cell: Path, key: dict, rows: dict, steps: int, recipe: dict, threads: int, plain: Callable[[], dict],
              ks: list[int], units: Path, reuse: bool) -> dict:
     """Every row's trainers in one cell (a data set at one scale and seed; ``key``: the cell's, less its rows), each
     run trained and scored as a unit kept in ``units`` (bench/peer_runs.py's :func:`unit`): ``{"costs": {setting:
     {trainer: cost}}, "scores": {setting: {trainer: {k: {set: ...}}}}, "wall_s", "machine"}``, the wall time summed
     over the units and their machines. Beside ours (``ours``), ``ours-exact`` trains the same head with the exact
-    teacher and no top-K stored, as the peers train. Ours trains in this process only when a run needs it: its own
-    unit, or a peer's, which trains on our stored tokens."""
-    trained: dict[str, dict] = {}
+    teacher and no top-K stored, as the peers train."""
+    trainers = Trainers(cell, steps, key["seed"], recipe, threads)
 
-    def ours(overrides: list[str]) -> tuple[dict, Path]:
-        name = ours_name(overrides)
-        if name not in trained:
-            trained[name] = train_ours(cell, steps, overrides, key["seed"], name)
-        return trained[name], cell / f"{name}-vllm"
+    def scored(head: Path) -> dict:
+        return score(cell, key["scoring"], plain(), ks, head)
 
-    def peer(trainer: str, name: str, overrides: list[str], settings: dict) -> tuple[dict, Path]:
-        base, _ = ours(overrides)
-        inputs = peer_inputs(cell, ours_name(overrides))
-        return train_peer(trainer, cell, base, inputs, recipe, settings, threads, key["seed"], name), cell / name / "vllm"
-
-    scored = functools.partial(score, cell, key["scoring"], ks=ks)
     out: dict = {"costs": {}, "scores": {}}
     made: dict[str, dict] = {}
     for setting, (overrides, theirs) in rows.items():
@@ -209,14 +222,12 @@ def run_cell(cell: Path, key: dict, rows: dict, steps: int, recipe: dict, thread
         for trainer, variant in (("ours", overrides), ("ours-exact", overrides + EXACT)):
             path = units / f"{ours_name(variant)}.json"
             runs[trainer] = made[path.name] = unit(path, {**key, "trainer": "ours", "overrides": variant}, reuse,
-                                                   functools.partial(ours, variant),
-                                                   lambda head: scored(plain(), head=head))
+                                                   functools.partial(trainers.ours, variant), scored)
         for name, settings in theirs.items():
             path = units / f"{name}-{setting}.json"
             runs[name] = made[path.name] = unit(
                 path, {**key, "trainer": name, "settings": settings, "ours": overrides}, reuse,
-                functools.partial(peer, name, f"{name}-{setting}", overrides, settings),
-                lambda head: scored(plain(), head=head))
+                functools.partial(trainers.peer, name, f"{name}-{setting}", overrides, settings), scored)
         out["costs"][setting] = {t: u["cost"] for t, u in runs.items()}
         out["scores"][setting] = {t: u["scores"] for t, u in runs.items()}
     return {**out, "wall_s": round(sum(u["wall_s"] for u in made.values()), 1),

@@ -14,8 +14,8 @@ rows below that), ``--prompts`` of them. Writes ``RESULTS/tuned.json`` (each tra
 its key's digest; RESULTS is bench/peer_results, committed) and prints the grid. Like peer_parity: from scratch unless
 ``--reuse``, which keeps tuned.json when its key still matches, and each trainer's run at each point
 (``RESULTS/sweep``) when the key less the grid does: a session cut short loses only the run it was in. ``--kept``
-prints the grid as far as ``RESULTS/sweep`` holds it under the current key and trains nothing. bench/peer_parity.py with ``--settings tuned`` runs
-this first, at its own cell size and scoring.
+prints the grid as far as ``RESULTS/sweep`` holds it under the current key and trains nothing.
+bench/peer_parity.py with ``--settings tuned`` runs this first, at its own cell size and scoring.
 """
 
 from __future__ import annotations
@@ -70,23 +70,13 @@ def grid_point(cell: Path, key: dict, recipe: dict, lr: float, ttt: int, args: a
     :func:`unit`; ``key``: the sweep's, less its grid): per trainer its cost and vLLM results at k = 3."""
     runs = point_runs(key, lr, ttt, args.peers, args.results)
     overrides = runs["ours"][1]["overrides"]
-    mine, trained = pr.ours_name(overrides), []
-
-    def ours() -> tuple[dict, Path]:
-        if not trained:
-            trained.append(pr.train_ours(cell, args.steps, overrides, 0, mine))
-        return trained[0], cell / f"{mine}-vllm"
-
-    def peer(name: str) -> tuple[dict, Path]:
-        cost, _ = ours()
-        inputs, run = pr.peer_inputs(cell, mine), runs[name][0].stem
-        return (pr.train_peer(name, cell, cost, inputs, recipe, runs[name][1]["settings"], args.threads, 0, run),
-                cell / run / "vllm")
+    trainers = pp.Trainers(cell, args.steps, 0, recipe, args.threads)
 
     def scored(head: Path) -> dict:
         return pp.score(cell, job, plain(), [K], head)
 
-    return {name: pr.unit(path, unit_key, args.reuse, ours if name == "ours" else functools.partial(peer, name),
+    return {name: pr.unit(path, unit_key, args.reuse, functools.partial(trainers.ours, overrides) if name == "ours"
+                          else functools.partial(trainers.peer, name, path.stem, overrides, unit_key["settings"]),
                           scored)
             for name, (path, unit_key) in runs.items()}
 
