@@ -34,7 +34,9 @@ from dataclasses import dataclass, field
 
 from mtp_train.eval.report import DraftCost, EngineAcceptance, Group, SweepPoint
 
-LENGTH_BUCKETS = ((0, 127, "0-127"), (128, 511, "128-511"), (512, 2047, "512-2047"), (2048, None, "2048+"))
+# Prompt tokens; long-context drafts are read at 4k and 8k (data/long's sizes fall one per bucket from 512 on).
+LENGTH_BUCKETS = ((0, 127, "0-127"), (128, 511, "128-511"), (512, 1023, "512-1023"), (1024, 2047, "1024-2047"),
+                  (2048, 4095, "2048-4095"), (4096, 8191, "4096-8191"), (8192, None, "8192+"))
 
 
 @dataclass
@@ -152,7 +154,7 @@ def distinct2(outputs: Iterable[Iterable[int]]) -> float:
 
 
 def length_bucket(prompt_tokens: int) -> str:
-    """Context-length bucket of a prompt: ``"0-127"``, ``"128-511"``, ``"512-2047"`` or ``"2048+"``."""
+    """Context-length bucket of a prompt (``LENGTH_BUCKETS``): ``"0-127"`` ... ``"4096-8191"``, ``"8192+"``."""
     if prompt_tokens < 0:
         raise ValueError(f"prompt_tokens must be >= 0 (got {prompt_tokens})")
     for low, high, name in LENGTH_BUCKETS:

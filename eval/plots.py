@@ -25,7 +25,9 @@ PLOTS: dict[str, str] = {
     "speedup_by_k": "measured speedup (solid) and the expected speedup predicted from τ, c and v (dashed) by k, "
                     "every draft; below 1× speculation is slower than plain decoding",
     "tau_by_group": "τ by prompt set and by prompt category, every draft, at the headline k and T",
-    "tau_by_length": "τ by context-length bucket, every draft, at the headline k and T",
+    "tau_by_length": "τ (left) and the draft cost ratio c (right) by context-length bucket, every draft, at the "
+                     "headline k and T (c: one draft forward over one plain decode step, batch 1, at the bucket's "
+                     "median prompt)",
     "training": "τ (left) and α₁ (right) of the held-out probe prompts against training tokens, every head trained "
                 "with train.tau_every (T = 0, the recipe's largest k)",
 }
@@ -174,7 +176,7 @@ def speedup_plot(report: Report) -> Figure:
     return _per_temperature(report, draw, "speedup by k", "speedup over plain decoding (×)", "sweep points")
 
 
-def _headline_groups(report: Report, field: str) -> list[tuple[str, dict[str, Group]]]:
+def headline_groups(report: Report, field: str) -> list[tuple[str, dict[str, Group]]]:
     """Each draft's groups (``by_prompt_set`` or ``by_category``) at the headline k and T."""
     out = []
     for name, sweep in drafts(report):
@@ -209,7 +211,7 @@ def tau_by_group_plot(report: Report) -> Figure:
     """τ by prompt set (left) and by prompt category (right), every draft, at the headline setting."""
     fig, (sets_ax, cats_ax) = _new_figure(2)
     for ax, field, xlabel in ((sets_ax, "by_prompt_set", "prompt set"), (cats_ax, "by_category", "category")):
-        series = _headline_groups(report, field)
+        series = headline_groups(report, field)
         order = sorted({n for _, groups in series for n in groups})
         _grouped_bars(ax, series, order, xlabel)
         ax.set_title(f"τ by {xlabel} (k={report.k}, {_temp_label(report.temperature)})")
@@ -218,12 +220,27 @@ def tau_by_group_plot(report: Report) -> Figure:
 
 
 def tau_by_length_plot(report: Report) -> Figure:
-    """τ by context-length bucket at the headline setting, buckets in length order, every draft."""
-    fig, (ax,) = _new_figure(1)
-    series = _headline_groups(report, "by_length")
+    """τ (bars) and c (lines) by context-length bucket at the headline setting, buckets in length order, every
+    draft; a draft without c by bucket (a report that predates it) has no line."""
+    fig, (ax, right) = _new_figure(2)
+    series = headline_groups(report, "by_length")
     order = sorted({n for _, groups in series for n in groups}, key=bucket_order)
     _grouped_bars(ax, series, order, "context length (tokens)")
     ax.set_title(f"τ by context length (k={report.k}, {_temp_label(report.temperature)})")
+    drawn = False
+    for i, (name, groups) in enumerate(series):
+        xs = [x for x, n in enumerate(order) if n in groups and groups[n].draft_cost_ratio is not None]
+        if xs:
+            right.plot(xs, [groups[order[x]].draft_cost_ratio for x in xs], marker="o", color=_color(i))
+            drawn = True
+    if drawn:
+        right.set_xticks(range(len(order)), order, rotation=30, ha="right")
+        right.set_xlabel("context length (tokens)")
+        right.set_ylabel("c (draft forward / plain decode step)")
+        right.set_ylim(bottom=0)
+        right.set_title("draft cost c by context length")
+    else:
+        _no_data(right, "c by context length")
     _legend(fig)
     return fig
 

@@ -10,6 +10,7 @@ Sets (``PROMPT_SETS``), their ids and categories:
 | ``humaneval`` | ``data/eval/humaneval/HumanEval.jsonl.gz`` | ``humaneval/<n>`` (from ``HumanEval/<n>``) | ``code`` | see below |
 | ``gsm8k`` | ``data/eval/gsm8k/test.jsonl`` | ``gsm8k/<line index>`` | ``math`` | the question |
 | ``sgd_dev`` | ``data/sgd/sgd_dev_sharegpt.jsonl.gz`` (SGD's dev split) | ``sgd_dev/<line index>`` | first service, e.g. ``Restaurants`` | cut as held-out rows are |
+| ``long`` | ``data/long/eval.jsonl.gz`` (retrieved passages and a question) | ``long/<line index>`` | its size: ``1k`` ... ``8k`` | the user turn |
 
 **Held-out prompts.** Each held-out chat row is cut just after one of its user turns that an assistant turn
 follows (the candidates), chosen uniformly with a seed derived from the row id alone, so ``heldout/row-N`` is the
@@ -48,7 +49,7 @@ from typing import Any
 
 from mtp_train.errors import UserError
 
-PROMPT_SETS = ("heldout", "spec_bench", "mt_bench", "humaneval", "gsm8k", "sgd_dev")
+PROMPT_SETS = ("heldout", "spec_bench", "mt_bench", "humaneval", "gsm8k", "sgd_dev", "long")
 DATA_DIR = Path(__file__).resolve().parents[1] / "data" / "eval"
 FILES = {
     "spec_bench": "spec_bench/question.jsonl",
@@ -56,6 +57,7 @@ FILES = {
     "humaneval": "humaneval/HumanEval.jsonl.gz",
     "gsm8k": "gsm8k/test.jsonl",
     "sgd_dev": "../sgd/sgd_dev_sharegpt.jsonl.gz",
+    "long": "../long/eval.jsonl.gz",
 }
 HUMANEVAL_INSTRUCTION = "Complete the following Python function.\n\n```python\n{stub}```\n"
 
@@ -216,12 +218,21 @@ def _sgd_dev(i: int, rec: dict[str, Any], path: Path) -> EvalPrompt | None:
     return EvalPrompt("sgd_dev", f"sgd_dev/{i}", service.split("_")[0], context)
 
 
+def _long(i: int, rec: dict[str, Any], path: Path) -> EvalPrompt:
+    messages = _field(rec, "messages", list, path, i)
+    if not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages) \
+            or messages[-1].get("role") != "user":
+        raise UserError(f"{path}: record {i}'s messages are not chat turns ending with a user turn")
+    return EvalPrompt("long", f"long/{i}", _field(rec, "category", str, path, i), messages)
+
+
 _BUILDERS = {
     "spec_bench": _question_set("spec_bench"),
     "mt_bench": _question_set("mt_bench"),
     "humaneval": _humaneval,
     "gsm8k": _gsm8k,
     "sgd_dev": _sgd_dev,
+    "long": _long,
 }
 
 

@@ -94,6 +94,9 @@ class Group(BaseModel):
     measured_speedup: float | None = None
     num_steps: int | None = None
     """Verify steps in the slice, so that slices can be pooled (α₁ is accepted first drafts / steps)."""
+    draft_cost_ratio: float | None = None
+    """c at this context-length bucket (one draft forward over one plain decode step, batch 1, at the bucket's median
+    prompt: :mod:`mtp_train.eval.context_probe`); ``None`` for other slices and in reports that predate it."""
 
 
 

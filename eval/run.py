@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from mtp_train.eval.assemble import EvalContext, assemble_report
+from mtp_train.eval.context_probe import context_costs
 from mtp_train.eval.loading import baseline_path, draft_vocab, eval_prompts, load_eval, other_drafter
 from mtp_train.eval.lossless import LosslessCheck, check_lossless, check_name, summarize
 from mtp_train.eval.metrics import LosslessVerdict, PointTiming, RequestTrace, sweep_point
@@ -218,7 +219,8 @@ def _sweep(engine: Engine, drafter: Drafter, prompts, token_ids, plain: dict, e:
            checks: list[LosslessCheck], replies: dict | None = None) -> tuple[list[SweepPoint], list[SweepPoint]]:
     """Speculative decoding at every k (chains) and every tree of ``e``, at each temperature of ``plain`` (its
     params, results, timing), after an untimed warm-up of this draft. Each temperature-0 point adds its lossless
-    check to ``checks``; with ``replies``, each chain's output tokens are kept there under ``(k, T)``."""
+    check to ``checks``; with ``replies``, each chain's output tokens are kept there under ``(k, T)``. Each chain's
+    length buckets get the draft's c at their context (:mod:`mtp_train.eval.context_probe`)."""
     shapes = [TreeShape(t.topk, t.depth, t.draft_tokens) for t in e.trees]
     warm_up(engine, drafter, token_ids, max(e.k), list(plain), shapes)
     widths = [(1, False)] + [(k + 1, False) for k in e.k] + [(s.draft_tokens, True) for s in shapes]
@@ -241,6 +243,10 @@ def _sweep(engine: Engine, drafter: Drafter, prompts, token_ids, plain: dict, e:
                               timing, checks, (verify[shape.draft_tokens, True], decode))
             point.tree = TreeSetting(topk=shape.topk, depth=shape.depth, draft_tokens=shape.draft_tokens)
             trees.append(point)
+    costs = context_costs(engine, drafter, max(e.k), token_ids)
+    for point in chains:
+        for bucket, group in point.by_length.items():
+            group.draft_cost_ratio = None if bucket not in costs else round(costs[bucket], 4)
     return chains, trees
 
 

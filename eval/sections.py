@@ -22,7 +22,7 @@ from typing import Any
 from mtp_train.eval.diagnosis import diagnosis_blocks
 from mtp_train.eval.engine_check import engine_check_blocks, engine_mal_cell
 from mtp_train.eval.lossless import lossless_blocks
-from mtp_train.eval.plots import bucket_order
+from mtp_train.eval.plots import bucket_order, headline_groups
 from mtp_train.eval.report import (
     REL_DROP,
     REL_DROP_MEASURED,
@@ -189,8 +189,13 @@ def by_prompt_set(r: Report) -> Section | None:
 
 
 def by_length(r: Report) -> Section:
-    return (f"τ by context length in tokens ({_setting(r)})", [
-        _group_table(r.by_length, sorted(r.by_length, key=bucket_order)) if r.by_length
+    """Every draft's τ, α by position and c in each context-length bucket."""
+    rows = [[name, n, str(g.num_prompts), _num(g.tau), _alphas(g.alpha), _num(g.draft_cost_ratio, 3)]
+            for name, groups in headline_groups(r, "by_length")
+            for n, g in ((n, groups[n]) for n in sorted(groups, key=bucket_order))]
+    return (f"τ, α and c by context length in tokens ({_setting(r)})", [
+        ("table", ["draft", "prompt tokens", "prompts", "τ", "α_j conditional (j = 1..k)",
+                   "c (draft forward / plain decode step, batch 1)"], rows) if rows
         else ("p", "No context-length buckets recorded."),
         ("img", "tau_by_length"),
     ])

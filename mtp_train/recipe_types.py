@@ -17,7 +17,7 @@ def _resolve(path: Path, info: ValidationInfo) -> Path:
 
 
 RecipePath = Annotated[Path, AfterValidator(_resolve)]
-PROMPT_SETS = ("heldout", "spec_bench", "mt_bench", "humaneval", "gsm8k", "sgd_dev")
+PROMPT_SETS = ("heldout", "spec_bench", "mt_bench", "humaneval", "gsm8k", "sgd_dev", "long")
 
 
 class Section(BaseModel):

@@ -42,6 +42,9 @@ def test_eval_writes_a_lossless_report_whose_validation_matches_the_trainer(trai
     for ours, theirs in zip(r["val_acc"], r["trainer_val_acc"]):
         assert ours == pytest.approx(theirs, abs=0.01)
     assert [c["name"] for c in r["comparisons"]] == ["bigram"]
+    for sweep in [r["sweep"]] + [c["sweep"] for c in r["comparisons"]]:  # c by context length, every draft
+        for p in sweep:
+            assert p["by_length"] and all(g["draft_cost_ratio"] > 0 for g in p["by_length"].values())
     html = (trained_run.parent / "run" / "eval" / "report.html").read_text()
     assert html.count("data:image/png;base64,") == len(PLOTS)
     # A second run finds the report complete and skips.

@@ -88,8 +88,9 @@ def test_distinct2():
 
 @pytest.mark.parametrize(
     "n, bucket",
-    [(0, "0-127"), (127, "0-127"), (128, "128-511"), (511, "128-511"), (512, "512-2047"), (2047, "512-2047"),
-     (2048, "2048+"), (100_000, "2048+")],
+    [(0, "0-127"), (127, "0-127"), (128, "128-511"), (511, "128-511"), (512, "512-1023"), (1023, "512-1023"),
+     (1024, "1024-2047"), (2047, "1024-2047"), (2048, "2048-4095"), (4096, "4096-8191"), (8191, "4096-8191"),
+     (8192, "8192+"), (100_000, "8192+")],
 )
 def test_length_bucket_edges(n, bucket):
     assert length_bucket(n) == bucket
@@ -107,7 +108,7 @@ def test_group_by_category_length_and_function():
     assert list(by_cat) == ["code", "qa"]
     assert [t.prompt_id for t in by_cat["qa"]] == ["a", "c", "d"]
     by_len = group_by([C, B, A, D], "length_bucket")
-    assert list(by_len) == ["0-127", "512-2047", "2048+"]  # length order, not string order
+    assert list(by_len) == ["0-127", "512-1023", "2048-4095"]  # length order, not string order
     assert [t.prompt_id for t in by_len["0-127"]] == ["a", "d"]
     assert pooled_tau(by_len["0-127"]) == pytest.approx((7 + 1) / 4)
     by_fn = group_by([A, B, C], lambda t: "long" if t.prompt_tokens > 500 else "short")
@@ -133,7 +134,7 @@ def test_prompt_set_names_match_the_recipe():
 
 @pytest.mark.parametrize(
     "name, count, categories",
-    [("spec_bench", 480, 13), ("mt_bench", 80, 8), ("humaneval", 164, 1), ("gsm8k", 1319, 1)],
+    [("spec_bench", 480, 13), ("mt_bench", 80, 8), ("humaneval", 164, 1), ("gsm8k", 1319, 1), ("long", 64, 4)],
 )
 def test_benchmark_sets_load_whole(name, count, categories):
     prompts = load_prompt_set(name)
@@ -157,6 +158,27 @@ def test_benchmark_prompts_hold_the_file_content():
     assert p.prompt_id == "humaneval/0" and p.category == "code" and he["prompt"] in p.messages[0]["content"]
     g = load_prompt_set("gsm8k")[1]
     assert g.prompt_id == "gsm8k/1" and g.category == "math" and g.messages[0]["content"].startswith("A robe takes")
+
+
+def test_long_prompts_are_held_out_from_training_and_reach_8k_tokens():
+    def rows(path):
+        with gzip.open(REPO / path, "rt") as f:
+            return [json.loads(line) for line in f]
+
+    evals, train, shipped = rows("data/long/eval.jsonl.gz"), rows("data/long/train.jsonl.gz"), rows(
+        "data/general/prompts.jsonl.gz")
+    used = {r["source_id"] for r in shipped}  # every Dolly recipe trains on these
+    eval_ids = {i for r in evals for i in r["passages"]}
+    train_ids = {i for r in train for i in r["passages"]}
+    assert not eval_ids & used and not train_ids & used and not eval_ids & train_ids
+    prompts = load_prompt_set("long")
+    for p, r in zip(prompts, evals):
+        assert p.messages == r["messages"] and p.category == r["category"]
+        gold = int(p.messages[0]["content"].rsplit("Question about passage ", 1)[1].split(":")[0])
+        assert r["passages"][gold - 1] == r["source_id"]  # the question is about the passage it names
+    assert {length_bucket(r["prompt_tokens"]) for r in evals} == {"512-1023", "1024-2047", "2048-4095", "4096-8191"}
+    assert max(r["prompt_tokens"] for r in evals + train) <= 8000  # SmolLM2 takes 8,192 positions
+    assert all(r["messages"][-1]["role"] == "assistant" for r in train)
 
 
 def test_sgd_dev_prompts_are_dev_dialogues_cut_like_heldout_rows():
