@@ -48,7 +48,7 @@ def _plan_spec(recipe: Recipe, cfg: ModelConfig, kind: str | None = None):
     return head_spec(kind, h.num_layers, cfg, "plan", h.convention,
                      tuple(aux_layers_for(h.aux_layers, cfg)) if kind in AUX_KINDS else (),
                      draft_vocab_size(h.draft_vocab, cfg.vocab_size) if eagle3 else 0, h.block_size,
-                     h.mask_id(cfg.vocab_size), h.fc_norm, h.norm_output, h.parallel_drafts or 0)
+                     h.mask_id(cfg.vocab_size), h.fc_norm, h.norm_output, h.parallel_drafts or 0, h.window or 0)
 
 
 def head_activation_bytes_per_token(recipe: Recipe, cfg: ModelConfig) -> int:
@@ -136,19 +136,19 @@ def head_saved_bytes(recipe: Recipe, cfg: ModelConfig, cu_seqlens: list[int], st
 
     routing = mock.patch.object(torch, "bincount", _balanced_bincount) if device == "meta" else contextlib.nullcontext()
     with routing, sdpa_kernel(SDPBackend.MATH), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        plan = TTTAttention(cu_seqlens) if eagle3 else None
+        plan = TTTAttention(cu_seqlens, spec.window) if eagle3 else None
         for step in range(steps):
             if dflash:  # one forward drafts the whole block: every step at once
                 firsts = embeds[: sum(a.numel() for a in anchors)]
                 blocks = torch.cat(anchors).to(device)[:, None] + torch.arange(spec.block_size, device=device)
                 out = hidden = head(firsts, aux, positions, blocks.view(-1),
-                                    BlockAttention(cu_seqlens, anchors, spec.block_size))
+                                    BlockAttention(cu_seqlens, anchors, spec.block_size, None, spec.window))
                 break
             if eagle3:
                 out = head(embeds, hidden if step else None, positions + step, plan, None if step else aux)
                 hidden = head.feedback_state(out)
             else:
-                out = head.run(embeds, hidden, positions, DocumentCausalAttention(cu_seqlens),
+                out = head.run(embeds, hidden, positions, DocumentCausalAttention(cu_seqlens, spec.window),
                                [(None, None)] * len(head.layers))
                 hidden = head.feedback_state(out)
     kept: dict[int, int] = {}

@@ -58,6 +58,14 @@ class HeadConfig(Section):
         "reads the previous step's output after the head's final `norm` instead of before it; the logits are "
         "unchanged. Exported as `norm_output: true`; adds no weights.",
     )
+    window: int | None = Field(
+        None, ge=2, description="Tokens of context the head's attention sees (a sliding window, as "
+        "vLLM's `sliding_window`): a query at position p attends to keys at positions above p - window only, in "
+        "training (training-time test and dflash blocks included), in the runtime's drafting (chains, trees and "
+        "blocks; its KV pages below the window are given back) and in the export, so that a draft's cost stays flat "
+        "as prompts grow. It must exceed the drafts (`eval.k`, tree depths, `train.unroll`, a dflash block). Null: "
+        "full attention.",
+    )
     init: Literal["random", "target_last_layer"] = Field(
         "random", description="Initialise the head's decoder layer randomly or from the target's last layer. "
         "Applies to `mtp` heads only: an `eagle` head always starts random, because its output feeds the lm_head "

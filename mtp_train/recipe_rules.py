@@ -12,6 +12,7 @@ def check_rules(recipe: Any) -> None:
     trained_heads_take_the_train_settings(recipe)
     eagle3_norms_need_an_eagle3_head(recipe)
     parallel_drafts_within_what_trains(recipe)
+    window_beyond_the_drafts(recipe)
     tau_probes_need_heldout_rows(recipe)
 
 
@@ -86,6 +87,25 @@ def parallel_drafts_within_what_trains(recipe: Any) -> None:
         return
     _drafts_within(recipe, drafts, f"past the {drafts} a P-EAGLE head drafts in one forward (head.parallel_drafts)",
                    "head.parallel_drafts", 0)
+
+
+def window_beyond_the_drafts(recipe: Any) -> None:
+    """``head.window`` must hold every draft of a step beside some context (``eval.k``, tree depths, the unrolled
+    training steps, a dflash block); P-EAGLE's mask positions take none (not built)."""
+    window = recipe.head.window
+    if window is None:
+        return
+    if recipe.head.parallel_drafts:
+        raise ValueError("head.window: a P-EAGLE head (head.parallel_drafts) takes no window yet; set one of the two "
+                         "to null")
+    sizes = {"train.unroll": recipe.train.unroll, "eval.k": max(recipe.eval.k),
+             "the eval.trees depth": max((t.depth for t in recipe.eval.trees), default=0)}
+    if "dflash" in recipe.head_kinds():
+        sizes["head.block_size"] = recipe.head.block_size
+    name, most = max(sizes.items(), key=lambda kv: kv[1])
+    if window <= most:
+        raise ValueError(f"head.window: {window} tokens do not exceed {name} ({most}); set head.window above {most} "
+                         "or null")
 
 
 def tau_probes_need_heldout_rows(recipe: Any) -> None:

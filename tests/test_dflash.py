@@ -21,9 +21,10 @@ from test_speculative import GREEDY
 BLOCK = 5
 
 
-def _head(frozen: FrozenTarget, layers: int = 2):
+def _head(frozen: FrozenTarget, layers: int = 2, window: int = 0):
     torch.manual_seed(0)
-    spec = head_spec("dflash", layers, frozen.cfg, "x", aux_layers=(1, 2, 3), block_size=BLOCK, mask_token_id=7)
+    spec = head_spec("dflash", layers, frozen.cfg, "x", aux_layers=(1, 2, 3), block_size=BLOCK, mask_token_id=7,
+                     window=window)
     head = build_head(spec).eval()
     for p in head.parameters():  # norms away from 1, so that a norm applied in the wrong place shows
         p.data.add_(0.1 * torch.randn_like(p))
@@ -69,12 +70,14 @@ def test_block_attention_equals_a_dense_mask(monkeypatch):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
-def test_training_blocks_compute_what_the_runtime_block_computes():
+@pytest.mark.parametrize("window", [0, 7])
+def test_training_blocks_compute_what_the_runtime_block_computes(window):
     """A training forward over blocks at several anchors of two packed documents equals, anchor by anchor, the
     runtime's: the block run non-causally over the draft's pages, each layer first writing the context's keys and
-    values there."""
+    values there; with a window (``head.window`` 7: anchor 11 sees 6 of its 11 context rows), block row j sees the
+    context above its own position minus the window in both."""
     frozen = FrozenTarget.load(TINY_TARGET)
-    head = _head(frozen)
+    head = _head(frozen, window=window)
     lengths = [13, 9]
     cu = [0, 13, 22]
     aux = torch.randn(cu[-1], 3 * frozen.cfg.hidden_size)
@@ -86,7 +89,7 @@ def test_training_blocks_compute_what_the_runtime_block_computes():
     blocks = local[:, None] + torch.arange(BLOCK)
     with torch.no_grad():
         trained = head(frozen.embed(tokens[starts + local]), aux, positions, blocks.view(-1),
-                       BlockAttention(cu, picks, BLOCK)).view(len(local), BLOCK, -1)
+                       BlockAttention(cu, picks, BLOCK, window=window)).view(len(local), BLOCK, -1)
     engine = Engine.from_pretrained(TINY_TARGET, page_size=4)
     drafter = BlockDrafter(engine, head)
     context = head.project(aux)

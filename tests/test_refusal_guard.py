@@ -81,6 +81,7 @@ NOT_RECIPE = {
     "eval/prompts.py::_read_jsonl: prompt set {}: {} cannot be read: {}": PROMPTS,
     "eval/prompts.py::_field: {}: record {} has no usable {}": PROMPTS,
     "eval/prompts.py::_question_set.build: {}: record {} has a non-string first turn": PROMPTS,
+    "eval/prompts.py::_long: {}: record {}'s messages are not chat turns endi": PROMPTS,
     "eval/prompts.py::_heldout: prompt set 'heldout': needs the training rows an": FEATURES,
     "eval/prompts.py::_heldout: prompt set 'heldout': {} held-out row id(s) are": FEATURES,
     "eval/prompts.py::_heldout: prompt set 'heldout': none of the held-out rows": DATA,

@@ -27,8 +27,9 @@ ATTENTION_PEAK_BYTES = 5 * SCORE_CHUNK_BYTES
 class KeyRanges:
     """Which keys query row r sees: context rows ``lo[r] <= m < hi[r]`` and the extra keys of the rows of its group
     (rows ``g * group .. g * group + group - 1`` for ``g = r // group``): all of them, or with ``own`` those of the
-    group's first ``own[r]`` rows only. ``lo`` and ``hi`` are host lists, both non-decreasing in r (packed documents
-    in order), and every row sees at least one key."""
+    group's first ``own[r]`` rows only. ``lo`` and ``hi`` are host lists, ``hi`` non-decreasing in r (packed
+    documents in order) and ``lo`` nearly so (a window's blocks step back by less than a block), and every row sees
+    at least one key."""
 
     lo: list[int]
     hi: list[int]
@@ -57,6 +58,10 @@ class KeyRanges:
             else:
                 out += self._split(d0, d1, heads, extra)
         return out + ([packed[:2]] if packed else [])
+
+    def span(self, r0: int, r1: int) -> tuple[int, int]:
+        """The context rows that rows ``[r0, r1)`` see, from the least ``lo`` to the last ``hi``."""
+        return min(self.lo[r0:r1]), self.hi[r1 - 1]
 
     def _cost(self, r0: int, r1: int, heads: int, extra: int) -> int:
         return (r1 - r0) * heads * (self.hi[r1 - 1] - self.lo[r0] + extra) * 4
@@ -125,7 +130,7 @@ class _RangeAttention(torch.autograd.Function):
         out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
         with _no_autocast(q.device):
             for r0, r1 in ctx.chunks:
-                k0, k1 = ranges.lo[r0], ranges.hi[r1 - 1]
+                k0, k1 = ranges.span(r0, r1)
                 out[r0:r1] = _attend_chunk(q[r0:r1], k[k0:k1], v[k0:k1], [e[r0:r1] for e in extras], lo[r0:r1] - k0,
                                            hi[r0:r1] - k0, ranges.group, scale, _rows(ranges.own, r0, r1))
         return out
@@ -137,7 +142,7 @@ class _RangeAttention(torch.autograd.Function):
         grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v, *extras)]
         with _no_autocast(q.device):
             for r0, r1 in ctx.chunks:
-                k0, k1 = ranges.lo[r0], ranges.hi[r1 - 1]
+                k0, k1 = ranges.span(r0, r1)
                 parts = [q[r0:r1], k[k0:k1], v[k0:k1], *(e[r0:r1] for e in extras)]
                 leaves = [t.detach().float().requires_grad_() for t in parts]
                 with torch.enable_grad():
@@ -159,9 +164,12 @@ def range_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranges: K
     return _RangeAttention.apply(ranges, q.shape[-1] ** -0.5 if scale is None else scale, q, k, v, *flat)
 
 
-def causal_ranges(cu_seqlens: list[int]) -> KeyRanges:
-    """Each row sees its document's rows up to itself: ``lo`` the document's start, ``hi`` the row + 1."""
-    lo = [s for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:]) for _ in range(e - s)]
+def causal_ranges(cu_seqlens: list[int], window: int = 0, shift: int = 0) -> KeyRanges:
+    """Each row sees its document's rows up to itself: ``lo`` the document's start, ``hi`` the row + 1. With a
+    ``window`` (``head.window``; 0: none), only the rows at positions above the query's own minus the window, the
+    query standing ``shift`` positions past its row (training-time test's step ``shift``)."""
+    lo = [s if not window else max(s, r + shift - window + 1)
+          for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:]) for r in range(s, e)]
     return KeyRanges(lo, list(range(1, cu_seqlens[-1] + 1)))
 
 
@@ -169,15 +177,18 @@ class DocumentCausalAttention:
     """A step plan for ``models.transformer.Attention`` over packed documents.
 
     ``cu_seqlens [D+1]`` are document offsets into the packed tokens; query i attends to keys
-    j <= i of its own document only.
+    j <= i of its own document only, and with a ``window`` (``head.window``) to the ``window`` last of them only
+    (``range_attention``, a chunk of rows at a time: no dense mask).
     """
 
-    def __init__(self, cu_seqlens: list[int]) -> None:
-        self.cu_seqlens = cu_seqlens
+    def __init__(self, cu_seqlens: list[int], window: int = 0) -> None:
+        self.cu_seqlens, self.window = cu_seqlens, window
         self.bounds = list(zip(cu_seqlens[:-1], cu_seqlens[1:]))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache=None, v_cache=None) -> torch.Tensor:
         """``q [T, Hq, D]``, ``k, v [T, Hkv, D]`` -> ``[T, Hq, D]``."""
+        if self.window:
+            return range_attention(q, k, v, causal_ranges(self.cu_seqlens, self.window))
         gqa = k.shape[1] != q.shape[1]
         parts = [
             F.scaled_dot_product_attention(
@@ -191,4 +202,4 @@ class DocumentCausalAttention:
     def attend_latent(self, q: torch.Tensor, latent: torch.Tensor, cache, v_dim: int, scale: float) -> torch.Tensor:
         """MLA, absorbed: ``q [T, H, D]`` against ``latent [T, 1, D]`` (its first ``v_dim`` channels the value)
         -> ``[T, H, v_dim]``, by ``range_attention``: no fused kernel takes a 576-wide key head."""
-        return range_attention(q, latent, latent[..., :v_dim], causal_ranges(self.cu_seqlens), scale=scale)
+        return range_attention(q, latent, latent[..., :v_dim], causal_ranges(self.cu_seqlens, self.window), scale=scale)

@@ -56,6 +56,7 @@ class HeadSpec:
     mask_token_id: int = -1  # dflash, P-EAGLE: the id an engine writes in the mask positions
     fc_norm: bool = False  # eagle3 (EAGLE 3.1): an RMSNorm per aux layer's state before fc
     parallel_drafts: int = 0  # eagle3 (P-EAGLE): tokens drafted in one forward, the last row and masks (0: a chain)
+    window: int = 0  # head.window: a query at position p sees keys at positions above p - window only (0: all)
 
     @property
     def norm_output(self) -> bool:
@@ -69,6 +70,10 @@ class HeadSpec:
 
     def describe(self) -> str:
         """What the head reads, feeds back and drafts from, in words (reports and model cards)."""
+        window = f"; attends to the last {self.window:,} positions only" if self.window else ""
+        return self._reads() + window
+
+    def _reads(self) -> str:
         if self.kind == "dflash":
             return (f"reads fc of the target's states entering layers {list(self.aux_layers)} as context, drafts up "
                     f"to {self.block_size - 1} tokens in one non-causal forward over a block")
@@ -91,7 +96,8 @@ class HeadSpec:
                        data.get("convention", "native"), bool(data.get("moe", False)),
                        tuple(int(i) for i in data.get("aux_layers", ())), int(data.get("draft_vocab", 0)),
                        int(data.get("block_size", 0)), int(data.get("mask_token_id", -1)),
-                       bool(data.get("fc_norm", False)), int(data.get("parallel_drafts", 0)))
+                       bool(data.get("fc_norm", False)), int(data.get("parallel_drafts", 0)),
+                       int(data.get("window", 0)))
         except KeyError as e:
             raise UserError(f"{source}: not a head config (no {e.args[0]!r} field)") from None
         except (TypeError, ValueError) as e:
@@ -139,7 +145,8 @@ class DraftHead(nn.Module):
         self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cu_seqlens: list[int]
     ) -> torch.Tensor:
         """One draft step over packed documents (training): ``[T, H]`` inputs -> output hidden ``[T, H]``."""
-        return self.run(embeds, hidden, positions, DocumentCausalAttention(cu_seqlens), [(None, None)] * len(self.layers))
+        return self.run(embeds, hidden, positions, DocumentCausalAttention(cu_seqlens, self.spec.window),
+                        [(None, None)] * len(self.layers))
 
     def run(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, plan, kv: list) -> torch.Tensor:
         """The forward shared by the trainer and the runtime: ``plan`` is the attention (document-causal in
@@ -156,10 +163,11 @@ class DraftHead(nn.Module):
 def head_spec(kind: str, num_layers: int, target: ModelConfig, fingerprint: str,
               convention: str = "native", aux_layers: tuple[int, ...] = (), draft_vocab: int = 0,
               block_size: int = 0, mask_token_id: int = -1, fc_norm: bool = False,
-              norm_output: bool = False, parallel_drafts: int = 0) -> HeadSpec:
+              norm_output: bool = False, parallel_drafts: int = 0, window: int = 0) -> HeadSpec:
     """``aux_layers``: an eagle3 or dflash head's; ``draft_vocab``, ``fc_norm``, ``norm_output`` and
     ``parallel_drafts`` an eagle3 head's (``norm_output``: its feedback is ``head_norm``); ``block_size`` a dflash
-    head's, ``mask_token_id`` a dflash or P-EAGLE head's (each ignored by the other kinds)."""
+    head's, ``mask_token_id`` a dflash or P-EAGLE head's (each ignored by the other kinds); ``window`` any head's
+    (``head.window``, 0: full attention)."""
     if kind not in HEADS:
         raise UserError(f"head.kind: {kind!r} is not a head; choose one of {sorted(HEADS)}")
     c = choices(kind, convention)
@@ -171,7 +179,7 @@ def head_spec(kind: str, num_layers: int, target: ModelConfig, fingerprint: str,
                     convention, target.is_moe_layer(target.num_layers) and not aux,
                     tuple(aux_layers) if aux else (), draft_vocab if eagle3 else 0,
                     block_size if dflash else 0, mask_token_id if dflash or (eagle3 and parallel_drafts) else -1,
-                    fc_norm and eagle3, parallel_drafts if eagle3 else 0)
+                    fc_norm and eagle3, parallel_drafts if eagle3 else 0, window)
 
 
 def build_head(spec: HeadSpec) -> DraftHead:

@@ -21,6 +21,7 @@ from mtp_train.runtime.batch import BatchMetadata
 from mtp_train.runtime import small_rows
 from mtp_train.runtime.device import to_device
 from mtp_train.runtime.small_rows import LayerWeights
+from mtp_train.runtime.window_attention import windowed_attention
 
 
 class AttentionBackend(Protocol):
@@ -40,12 +41,12 @@ class _Group:
     (a step of decodes alone), else a ``[G*Q]`` index; ``kv_pages [G, P]`` the cache pages of their keys, in order
     (``P`` pages hold the group's longest; page 0 stands in past a sequence's last page), so keys are read a whole
     page at a time; ``mask [G, 1, Q, P*page_size]`` lets query i of sequence g (absolute position
-    ``kv_len - Q + i``) see keys at positions ``<= its own`` and, with a sliding window, ``> its own - window``;
-    not ``causal``, every query sees every key up to ``kv_len``; in a tree (``meta.tree``), the keys its bits name.
+    ``kv_len - Q + i``) see keys at positions ``<= its own`` (a sliding window is ``window_attention``'s); not
+    ``causal``, every query sees every key up to ``kv_len``; in a tree (``meta.tree``), the keys its bits name.
     """
 
-    def __init__(self, meta: BatchMetadata, seqs: list[int], q_len: int, sliding_window: int | None,
-                 bounds: list[int], host_kv_lens: list[int], causal: bool = True) -> None:
+    def __init__(self, meta: BatchMetadata, seqs: list[int], q_len: int, bounds: list[int], host_kv_lens: list[int],
+                 causal: bool = True) -> None:
         dev = meta.tokens.device
         index = to_device(torch.tensor(seqs), dev)
         kv_lens = meta.kv_lens.long()[index]
@@ -69,8 +70,6 @@ class _Group:
         if not causal:
             q_pos = (kv_lens[:, None] - 1).expand(-1, q_len)
         mask = key_valid[:, None, :] & (key_pos[None, None, :] <= q_pos[:, :, None])
-        if sliding_window is not None:
-            mask &= key_pos[None, None, :] > q_pos[:, :, None] - sliding_window
         if meta.tree is not None:  # a tree: the context, then each query's ancestors and itself
             for row, b in enumerate(seqs):
                 start, bits = meta.tree.prefix[b], meta.tree.bits[b]
@@ -111,7 +110,9 @@ class TorchStep:
       one k together); each group is one SDPA call over its pages (``_Group``).
 
     A mixed step (many decodes and one long prefill) thus costs what its parts cost, where padding
-    every decode to the prefill's length cost more than the step's matmuls.
+    every decode to the prefill's length cost more than the step's matmuls. With a sliding window (a Mistral
+    target's, or a draft head's ``head.window``) every sequence is ``window_attention``'s instead: each query reads
+    its window's keys only.
     """
 
     def __init__(self, meta: BatchMetadata, sliding_window: int | None, causal: bool = True) -> None:
@@ -121,9 +122,9 @@ class TorchStep:
         self.num_tokens = bounds[-1]
         self.fresh: list[tuple[int, int]] = []  # token ranges of fresh prefills
         self._by_len: dict[int, list[int]] = {}
-        for b, kv_len in enumerate(kv_lens):
+        for b, kv_len in enumerate(kv_lens if sliding_window is None else ()):  # (a window: window_attention's)
             q_len = bounds[b + 1] - bounds[b]
-            if sliding_window is None and q_len == kv_len and meta.tree is None:
+            if q_len == kv_len and meta.tree is None:
                 self.fresh.append((bounds[b], bounds[b + 1]))
             else:
                 self._by_len.setdefault(q_len, []).append(b)
@@ -162,7 +163,7 @@ class TorchStep:
         """The padded SDPA groups (built on first use: a step whose layers all run in one call needs none)."""
         if self._groups is None:
             bounds, kv_lens = self.meta.host_qo_indptr.tolist(), self.meta.host_kv_lens.tolist()
-            self._groups = [_Group(self.meta, run, q_len, self.sliding_window, bounds, kv_lens, self.causal)
+            self._groups = [_Group(self.meta, run, q_len, bounds, kv_lens, self.causal)
                             for q_len, seqs in self._by_len.items() for run in _similar_lengths(seqs, kv_lens)]
         return self._groups
 
@@ -180,6 +181,10 @@ class TorchStep:
     ) -> torch.Tensor:
         """``q [T, Hq, D]``, ``k``/``v [T, Hkv, D]`` -> ``[T, Hq, D]``, after writing ``k``/``v`` to the cache."""
         self.write(k, v, k_cache, v_cache)
+        if self.sliding_window is not None:
+            flat_k, flat_v = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
+            return windowed_attention(q, self.meta, self.sliding_window, self.causal,
+                                      lambda slots: (flat_k.index_select(0, slots), flat_v.index_select(0, slots)))
         paged = None
         if self._pageable and q.dtype == k_cache.dtype == torch.float32 and not q.requires_grad and decode_copies():
             rows, indexes = self.paged
@@ -199,6 +204,12 @@ class TorchStep:
         ``v_dim`` channels are also the value -> ``[T, H, v_dim]``, after writing ``latent`` to the cache."""
         flat = cache.view(-1, *cache.shape[2:])
         flat.index_copy_(0, self.slot_mapping, latent.to(cache.dtype))
+        if self.sliding_window is not None:
+            def slots(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                g = flat.index_select(0, s)
+                return g, g[..., :v_dim]
+
+            return windowed_attention(q, self.meta, self.sliding_window, self.causal, slots, scale)
 
         def gather(pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             g = cache.index_select(0, pages)

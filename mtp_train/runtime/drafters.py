@@ -226,7 +226,7 @@ class HeadDrafter(Drafter):
             self.vocab_head = None if vocab is None else _rows_of(engine.model.output, self.vocab)
         if engine.small_batch_layout:  # the head's own weights get the target's small-batch layout too
             tune(self.head if self.vocab_head is None else nn.ModuleList([self.head, self.vocab_head]))
-        super().__init__(engine, len(head.layers), engine.model.output.weight.dtype, None)
+        super().__init__(engine, len(head.layers), engine.model.output.weight.dtype, spec.window or None)
 
     def kv_config(self):
         return self.head.layer_config()

@@ -64,12 +64,15 @@ class BlockAttention:
     document, anchor by anchor, B rows each; a block row attends to its document's context keys at positions below
     its anchor and to its own block's keys (``range_attention``: a range of context rows, the block as its group), or
     with ``lengths [A]`` (``train.block_lengths: uniform``) to the keys of its block's first ``lengths[a]`` rows.
-    ``context``: the layer's context keys and values ``[T, Hkv, D]``.
+    With a ``window`` (``head.window``), block row j (position ``anchor + j``) sees the context at positions above its
+    own minus the window only, as the runtime's non-causal block does. ``context``: the layer's context keys and
+    values ``[T, Hkv, D]``.
     """
 
     def __init__(self, cu_seqlens: list[int], anchors: list[torch.Tensor], block_size: int,
-                 lengths: torch.Tensor | None = None) -> None:
-        lo = [s for s, a in zip(cu_seqlens, anchors) for _ in range(a.numel() * block_size)]
+                 lengths: torch.Tensor | None = None, window: int = 0) -> None:
+        lo = [s if not window else s + max(0, p + j - window + 1) for s, a in zip(cu_seqlens, anchors)
+              for p in a.tolist() for j in range(block_size)]
         hi = [s + int(p) for s, a in zip(cu_seqlens, anchors) for p in a.tolist() for _ in range(block_size)]
         own = None if lengths is None else lengths.repeat_interleave(block_size)  # [A] -> each block row's
         self.ranges = KeyRanges(lo, hi, block_size, own)
@@ -163,7 +166,8 @@ def block_loss(head: DFlashHead, frozen: FrozenTarget, batch: Batch, weights: Lo
         sub = [picks[d0][first:]] + picks[d0 + 1 : d1] + [picks[d1][: a1 - sum(counts[:d1])]] if d1 > d0 else [
             picks[d0][first : first + a1 - a0]]
         s, e = cu[d0], cu[d1] + int(sub[-1][-1])
-        plan = BlockAttention([c - s for c in cu[d0 : d1 + 1]], sub, size, None if lengths is None else lengths[a0:a1])
+        plan = BlockAttention([c - s for c in cu[d0 : d1 + 1]], sub, size, None if lengths is None else lengths[a0:a1],
+                              head.spec.window)
         run = _through_wrapper_once(forward, head, frozen)
         args = (batch.tokens[(starts + local)[a0:a1]], batch.aux[s:e], context_positions[s:e],
                 block_positions[a0:a1].reshape(-1), plan)

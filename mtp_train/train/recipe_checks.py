@@ -16,7 +16,7 @@ def recipe_head_spec(recipe: Recipe, cfg: ModelConfig, fingerprint: str, aux_lay
     h, vocab = recipe.head, cfg.vocab_size
     return head_spec(h.kind, h.num_layers, cfg, fingerprint, h.convention, aux_layers,
                      draft_vocab_size(h.draft_vocab, vocab), h.block_size, h.mask_id(vocab), h.fc_norm, h.norm_output,
-                     h.parallel_drafts or 0)
+                     h.parallel_drafts or 0, h.window or 0)
 
 
 def check_recipe(recipe: Recipe, cfg: ModelConfig) -> None:

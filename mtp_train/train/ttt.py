@@ -35,10 +35,12 @@ class TTTAttention:
     Step 0 stores its keys and values; step j > 0 appends its own. A query at row i of a document attends to the
     step-0 keys at rows ``<= i`` of that document and to the keys of steps ``1..j`` at row ``i``: a range of context
     rows and j keys of its own, which ``range_attention`` takes a chunk of rows at a time, so that no score matrix
-    (nor a dense ``[T, steps * T]`` mask) is kept for backward.
+    (nor a dense ``[T, steps * T]`` mask) is kept for backward. With a ``window`` (``head.window``), step j's query
+    stands at position i + j and sees the step-0 keys above i + j - window only (its own keys all lie within it).
     """
 
-    def __init__(self, cu_seqlens: list[int]) -> None:
+    def __init__(self, cu_seqlens: list[int], window: int = 0) -> None:
+        self.cu_seqlens, self.window = cu_seqlens, window
         self.ranges = causal_ranges(cu_seqlens)
         self.keys: list[torch.Tensor] = []  # per step [T, Hkv, D]
         self.values: list[torch.Tensor] = []
@@ -47,8 +49,8 @@ class TTTAttention:
         """``q [T, Hq, D]``, ``k, v [T, Hkv, D]`` of the current step -> ``[T, Hq, D]``."""
         self.keys.append(k)
         self.values.append(v)
-        return range_attention(q, self.keys[0], self.values[0], self.ranges,
-                               list(zip(self.keys[1:], self.values[1:])))
+        ranges = causal_ranges(self.cu_seqlens, self.window, len(self.keys) - 1) if self.window else self.ranges
+        return range_attention(q, self.keys[0], self.values[0], ranges, list(zip(self.keys[1:], self.values[1:])))
 
 
 def restricted_kl(draft_logp: torch.Tensor, lp: torch.Tensor, draft_index: torch.Tensor,
@@ -113,7 +115,7 @@ def ttt_loss(head: Eagle3Head, frozen: FrozenTarget, batch: Batch, weights: Loss
     rows, starts, ends = document_rows(cu, batch.tokens.device)
     positions = rows - starts
     t2d = vocab_index(head, frozen.cfg.vocab_size)
-    plan = plan or TTTAttention(cu)
+    plan = plan or TTTAttention(cu, head.spec.window)
     hidden, aux = None, batch.aux
     total = batch.hidden.new_zeros(())
     metrics: list[StepMetrics] = []

@@ -1,0 +1,184 @@
+"""``head.window``: a draft head that attends to its last ``window`` positions only, the same in training (document
+causal, training-time test, dflash blocks) as in the runtime's paged drafting (chains, trees, blocks), which reads
+the window's keys only; decoding with it stays lossless."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import TINY_TARGET
+from mtp_train.eval.validation import paged_forward
+from mtp_train.heads import build_head, head_spec
+from mtp_train.heads.attention import DocumentCausalAttention, causal_ranges, range_attention
+from mtp_train.heads.frozen import FrozenTarget
+from mtp_train.runtime.drafters import HeadDrafter, head_drafter
+from mtp_train.runtime.engine import Engine
+from mtp_train.runtime.sampling import SamplingParams
+from mtp_train.runtime.tree import TreeShape
+from mtp_train.train.checkpoint import load_head
+from mtp_train.train.ttt import TTTAttention
+from test_speculative import GREEDY, decode, prompts, reference  # noqa: F401
+from test_tree import _tree_decode
+
+WINDOW = 16
+
+
+def _dense(q, k, v, cu, window, shift=0):
+    """SDPA per document with a dense sliding mask: row i (position i + shift) sees rows j <= i above i + shift - w."""
+    parts = []
+    for s, e in zip(cu[:-1], cu[1:]):
+        i, j = torch.arange(e - s)[:, None], torch.arange(e - s)[None, :]
+        mask = (j <= i) & (j > i + shift - window)
+        parts.append(F.scaled_dot_product_attention(q[None, s:e].transpose(1, 2), k[None, s:e].transpose(1, 2),
+                                                    v[None, s:e].transpose(1, 2), attn_mask=mask,
+                                                    enable_gqa=True)[0].transpose(0, 1))
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize("shift", [0, 2])
+def test_windowed_ranges_equal_a_dense_sliding_mask_forward_and_backward(shift):
+    torch.manual_seed(0)
+    cu = [0, 23, 30, 61]
+    q = torch.randn(61, 4, 8, requires_grad=True)
+    k, v = (torch.randn(61, 2, 8, requires_grad=True) for _ in range(2))
+    got = range_attention(q, k, v, causal_ranges(cu, 5, shift))
+    want = _dense(q, k, v, cu, 5, shift)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    grads = torch.autograd.grad(got.square().sum(), (q, k, v))
+    for g, w in zip(grads, torch.autograd.grad(want.square().sum(), (q, k, v))):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+def _random(kind: str, frozen: FrozenTarget, window: int):
+    torch.manual_seed(0)
+    aux = (1, 2, 3) if kind == "eagle3" else ()
+    head = build_head(head_spec(kind, 1, frozen.cfg, "x", aux_layers=aux, draft_vocab=512, window=window)).eval()
+    for p in head.parameters():
+        p.data.add_(0.1 * torch.randn_like(p))
+    return head
+
+
+@pytest.mark.parametrize("kind", ["mtp", "eagle"])
+def test_the_windowed_training_forward_is_the_runtimes_paged_one(kind):
+    """Packed documents longer than the window: the trainer's forward and the runtime's paged K/V and attention
+    (pages of 4 tokens, the window's keys gathered) agree, and differ from full attention."""
+    frozen = FrozenTarget.load(TINY_TARGET)
+    head = _random(kind, frozen, WINDOW)
+    cu = [0, 41, 50, 87]
+    positions = torch.cat([torch.arange(e - s) for s, e in zip(cu[:-1], cu[1:])])
+    embeds = torch.randn(87, frozen.cfg.hidden_size)
+    hidden = torch.randn(87, frozen.cfg.hidden_size)
+    engine = Engine.from_pretrained(TINY_TARGET, page_size=4)
+    with torch.no_grad():
+        trained = head(embeds, hidden, positions, cu)
+        paged = paged_forward(HeadDrafter(engine, head))(embeds, hidden, positions, cu)
+        full = head.run(embeds, hidden, positions, DocumentCausalAttention(cu), [(None, None)])
+    torch.testing.assert_close(paged, trained, rtol=1e-4, atol=1e-4)
+    assert (full - trained).abs().max() > 1e-2, "the window changes what rows past it compute"
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_windowed_training_time_test_computes_what_windowed_chained_drafting_computes(steps):
+    """Step j at row i stands at position i + j: it sees the step-0 keys above i + j - window, as the draft's chain
+    step there sees its window of the sequence it holds."""
+    frozen = FrozenTarget.load(TINY_TARGET)
+    head = _random("eagle3", frozen, 6)
+    n = 24
+    tokens = torch.randint(0, frozen.cfg.vocab_size, (n,))
+    g = head.project(torch.randn(n, 3 * frozen.cfg.hidden_size))
+    rows = torch.arange(n)
+    plan, hidden, outs = TTTAttention([0, n], 6), g, []
+    with torch.no_grad():
+        for j in range(steps):
+            hidden = head(frozen.embed(tokens[(rows + 1 + j).clamp(max=n - 1)]), hidden, rows + j, plan)
+            outs.append(hidden)
+        for i in range(n - steps):
+            seq_tokens, seq_hidden = list(tokens[1 : i + 2]), list(g[: i + 1])
+            for j in range(steps):
+                length = i + 1 + j
+                out = head.run(frozen.embed(torch.stack(seq_tokens)), torch.stack(seq_hidden), torch.arange(length),
+                               DocumentCausalAttention([0, length], 6), [(None, None)])[-1]
+                torch.testing.assert_close(outs[j][i], out, rtol=1e-4, atol=1e-4)
+                if j + 1 < steps:
+                    seq_tokens.append(tokens[i + 2 + j])
+                    seq_hidden.append(out)
+
+
+def _windowed(request, kind: str):
+    run = request.getfixturevalue("trained_run" if kind == "mtp" else f"{kind}_run")
+    head = load_head(run.parent / "run" / "heads" / kind)
+    head.spec = dataclasses.replace(head.spec, window=WINDOW)
+    return head
+
+
+@pytest.mark.parametrize("kind", ["mtp", "eagle3", "dflash"])
+def test_decoding_with_a_windowed_head_is_lossless(prompts, reference, request, kind):  # noqa: F811
+    """Prompts of 30 to 150 tokens, a window of 16: chains (k = 3) give the target's own greedy output."""
+    head = _windowed(request, kind)
+    out = decode(prompts, lambda e: head_drafter(e, head), 3, 8)
+    assert [r.tokens for r in out] == reference
+    assert sum(a for r in out for a in r.stats.accepted) > 0, "the windowed head still drafts tokens that are accepted"
+
+
+def test_a_windowed_tree_of_topk_1_is_the_windowed_chain_step_for_step(prompts, reference, request):  # noqa: F811
+    """The tree's nodes see the window of their own positions (not of their slots): a tree of topk 1 drafts what
+    the chain drafts, and a wide tree stays lossless."""
+    head = _windowed(request, "mtp")
+    params = [SamplingParams(temperature=0.0, max_new_tokens=16, stop_token_ids=(), seed=i) for i in range(8)]
+    chain = decode(prompts[:8], lambda e: head_drafter(e, head), 3, 8, params=params)
+    tree = _tree_decode(prompts[:8], lambda e: head_drafter(e, head), TreeShape(1, 3, 4), 8, params=params)
+    assert [r.stats.accepted for r in tree] == [r.stats.accepted for r in chain]
+    wide = _tree_decode(prompts, lambda e: head_drafter(e, head), TreeShape(4, 4, 8), 8)
+    assert [r.tokens for r in wide] == reference
+
+
+@pytest.mark.parametrize("case", ["prefill", "verify", "block", "tree"])
+def test_the_runtimes_window_reads_what_a_dense_mask_reads(case):
+    """The torch backend's windowed attention against SDPA over every cached key with a dense mask, two sequences
+    on scattered pages of 4: a causal prefill and verify, a non-causal block, and a tree of 2 levels of 3 nodes,
+    whose positions (depths) are not its slots, so the window is taken from positions."""
+    from mtp_train.runtime.attention import TorchAttention
+    from mtp_train.runtime.batch import TreeMask, build_batch
+
+    torch.manual_seed(0)
+    window, size, heads, kv_heads, dim = 6, 4, 4, 2, 8
+    cached, new = {"prefill": ([0, 0], [19, 11]), "verify": ([17, 9], [4, 4]), "block": ([17, 9], [5, 5]),
+                   "tree": ([17, 9], [6, 6])}[case]
+    lens = [c + n for c, n in zip(cached, new)]
+    order = torch.randperm(16).tolist()
+    pages = [order[:6], order[6:12]]
+    positions = tree = None
+    if case == "tree":  # level 1 at the context's next position, level 2 after it; each sees its parent and itself
+        positions = torch.tensor([c + d for c in cached for d in (0, 0, 0, 1, 1, 1)])
+        bits = torch.zeros(6, 6, dtype=torch.bool)
+        for i in range(6):
+            bits[i, i] = True
+            if i >= 3:
+                bits[i, i - 3] = True
+        tree = TreeMask(cached, [bits, bits])
+    meta = build_batch([[0] * n for n in new], cached, pages, size, torch.device("cpu"), positions, tree)
+    k_cache, v_cache = torch.randn(16, size, kv_heads, dim), torch.randn(16, size, kv_heads, dim)
+    q, k, v = torch.randn(sum(new), heads, dim), torch.randn(sum(new), kv_heads, dim), torch.randn(sum(new), kv_heads, dim)
+    plan = TorchAttention(window).plan(meta, heads, kv_heads, dim, causal=case != "block")
+    got = plan.attend(q, k, v, k_cache, v_cache)
+    row = 0
+    for b, (c, n, kv_len) in enumerate(zip(cached, new, lens)):
+        slots = torch.tensor([pages[b][j // size] * size + j % size for j in range(kv_len)])
+        keys, values = k_cache.view(-1, kv_heads, dim)[slots], v_cache.view(-1, kv_heads, dim)[slots]
+        key_pos = torch.arange(kv_len)
+        q_pos = meta.positions[row : row + n]
+        seen = key_pos[None, :] > q_pos[:, None] - window
+        if case == "tree":
+            seen &= key_pos[None, :] < c
+            seen[:, c:] = tree.bits[b]
+        elif case != "block":
+            seen &= key_pos[None, :] <= (c + torch.arange(n))[:, None]
+        want = F.scaled_dot_product_attention(q[None, row : row + n].transpose(1, 2), keys[None].transpose(1, 2),
+                                              values[None].transpose(1, 2), attn_mask=seen,
+                                              enable_gqa=True)[0].transpose(0, 1)
+        torch.testing.assert_close(got[row : row + n], want, rtol=1e-5, atol=1e-5)
+        row += n
