@@ -21,6 +21,12 @@ Formats (``../shared/EXPORT.md``):
   in ``mask_embedding.pt``; of one layer only (vLLM 0.32 normalises every layer's context keys with one ``k_norm``
   row, so a head of more layers is refused).
 
+A head with ``head.window`` carries it where the engine reads a draft's sliding window: vLLM's eagle3 layer
+(``layer_types: ["sliding_attention"]`` and ``sliding_window``; in the speculators format, in its layer config), vLLM's
+DFlash layers (``dflash_config.use_swa`` and ``swa_window_size``: sliding and non-causal, as trained), and for SGLang
+the model card's ``--speculative-draft-window-size``. vLLM and SGLang window no mtp or EAGLE-1 draft, so those are
+refused with a window.
+
 The export refuses, naming the difference, a head whose conventions (:mod:`mtp_train.heads.conventions`), target
 fingerprint or vocabulary differ from what the format's engine will run it with. It writes into a temporary
 directory and renames it into place, so a refused or failed export leaves nothing behind. The directory also holds
@@ -66,7 +72,7 @@ def export_head(recipe: Recipe, fmt: str, out: Path | None = None) -> Path:
         raise UserError(f"{root}: no trained {recipe.head.kind} head; run `mtp-train train` first")
     head = load_trained_head(root, recipe.target.path, target)  # another target, hidden size or vocabulary: refused
     spec = head.spec
-    check_format(spec.kind, target.family, fmt, root, spec.num_layers, spec.parallel_drafts)
+    check_format(spec.kind, target.family, fmt, root, spec.num_layers, spec.parallel_drafts, spec.window)
     _check_servable(spec.kind, spec.choices, target.family, "vllm" if fmt == "speculators" else fmt, root)
 
     out = out or recipe.export_dir(fmt)
@@ -92,7 +98,8 @@ def export_head(recipe: Recipe, fmt: str, out: Path | None = None) -> Path:
     return out
 
 
-def check_format(kind: str, family: str, fmt: str, root: Path, num_layers: int, parallel_drafts: int = 0) -> None:
+def check_format(kind: str, family: str, fmt: str, root: Path, num_layers: int, parallel_drafts: int = 0,
+                 window: int = 0) -> None:
     """Refuse ``fmt`` for the ``kind`` head of ``num_layers`` layers at ``root`` on a ``family`` target where no engine
     of the format loads it: the recipe (``head.kind``, ``head.num_layers``), the target's config and ``--format``
     decide it alone, so
@@ -108,6 +115,10 @@ def check_format(kind: str, family: str, fmt: str, root: Path, num_layers: int, 
         raise UserError(f"--format speculators: {root} is an {kind} head; the speculators format holds eagle3 "
                         "heads here (train head.kind=eagle3), or export this one with --format vllm or sglang")
     engine = ENGINE_NAMES["vllm" if fmt == "speculators" else fmt]
+    if window and kind in ("mtp", "eagle"):
+        raise UserError(f"--format {fmt}: {root} is an {kind} head with head.window {window}, and {engine} runs no "
+                        f"sliding window in its {kind} drafts (vLLM 0.32 and SGLang 0.5.23 window eagle3 and dflash "
+                        "drafts only); train it with head.window: null to export it, or serve it with this runtime")
     if family not in LOADER_FAMILIES[kind]:
         if kind == "mtp":
             raise UserError(f"{root}: an mtp head on a {family} target cannot be exported for {engine}: no serving "
@@ -158,11 +169,26 @@ def _config(target_config: dict, spec, fmt: str, trained: dict, target_path: str
         config.pop("dtype", None)
     if fmt == "sglang" and spec.kind == "eagle":
         config["bias"] = True  # SGLang's fc bias flag; the exported bias is zero
+    window(config, spec, fmt)
     config["mtp_train"] = {"head_kind": spec.kind, "convention": spec.convention, "hidden_input": spec.hidden_input,
                            "feedback": spec.feedback, "zero_embed_at_position0": spec.zero_embed_at_position0,
                            "target_fingerprint": spec.target_fingerprint, "steps": trained.get("steps"),
                            "training_fingerprint": trained.get("training_fingerprint")}
     return config
+
+
+def window(config: dict, spec, fmt: str) -> None:
+    """Write ``head.window`` where the format's engine reads a draft's sliding window: vLLM's eagle3 layer from
+    ``layer_types`` and ``sliding_window`` (the speculators format: in its layer config), its DFlash layers from
+    ``dflash_config.use_swa`` and ``swa_window_size`` (non-causal, as trained). SGLang takes the window from its
+    server flag ``--speculative-draft-window-size`` (the model card says so); the config records it."""
+    if not spec.window:
+        return
+    if spec.kind == "dflash":
+        config["dflash_config"].update(use_swa=True, swa_window_size=spec.window)
+        return
+    layer = config["transformer_layer_config"] if fmt == "speculators" else config
+    layer.update(layer_types=["sliding_attention"], sliding_window=spec.window)
 
 
 def _default_aux(cfg: ModelConfig) -> list[int]:
@@ -201,7 +227,8 @@ def model_card(recipe: Recipe, spec, fmt: str, trained: dict) -> str:
              "sglang": ["```", f"python -m sglang.launch_server --model-path {recipe.target.path} "
                                f"--speculative-algorithm {'EAGLE3' if spec.kind == 'eagle3' else 'EAGLE'} "
                                "--speculative-draft-model-path THIS_DIR "
-                               "--speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4",
+                               "--speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4"
+                               + (f" --speculative-draft-window-size {spec.window}" if spec.window else ""),
                         "```"]}
     lines += ["", f"Serve it ({ENGINE_NAMES[fmt]}):", "", *serve[fmt], ""]
     return "\n".join(lines)

@@ -143,7 +143,7 @@ def check_recipe(recipe: Recipe, stages: tuple[Stage, ...], export_format: str |
         from mtp_train.export import check_format
 
         check_format(recipe.head.kind, cfg.family, export_format, recipe.head_dir(), recipe.head.num_layers,
-                     recipe.head.parallel_drafts or 0)
+                     recipe.head.parallel_drafts or 0, recipe.head.window or 0)
 
 
 def check_data(recipe: Recipe, stages: tuple[Stage, ...]) -> list[str]:

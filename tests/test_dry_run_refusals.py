@@ -91,6 +91,8 @@ REFUSALS = (
                                      "train.unroll=1"), ("--format sglang:", "is a P-EAGLE head", "--format vllm")),
     Refusal("export-speculators-mtp", ("export", TINY, "--format", "speculators"),
             ("--format speculators:", "is an mtp head; the speculators format holds eagle3")),
+    Refusal("export-window-eagle", ("export", TINY, "--format", "vllm", "head.kind=eagle", "head.window=64"),
+            ("is an eagle head with head.window 64", "runs no sliding window in its eagle drafts")),
     Refusal("export-mtp-llama", ("export", TINY, "--format", "vllm"),
             ("an mtp head on a llama target cannot be exported for vLLM",)),
     Refusal("export-dflash-layers", ("export", TINY, "--format", "vllm", "head.kind=dflash", "head.num_layers=2"),

@@ -46,6 +46,7 @@ RECIPE_SITES = {
     "mtp_train/export.py::check_format: --format {}: {} is a dflash head; it exports for": "export-dflash-sglang",
     "mtp_train/export.py::check_format: --format speculators: {} is an {} head; the spec":
         "export-speculators-mtp",
+    "mtp_train/export.py::check_format: --format {}: {} is an {} head with head.window {": "export-window-eagle",
     "mtp_train/export.py::check_format: {}: an mtp head on a {} target cannot be exporte": "export-mtp-llama",
     "mtp_train/export.py::check_format: {}: {}'s EAGLE-1 loader builds a Llama decoder l": "export-eagle-deepseek",
     "mtp_train/export.py::check_format: {}: a dflash head of {} layers cannot be exporte": "export-dflash-layers",

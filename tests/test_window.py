@@ -18,6 +18,7 @@ from mtp_train.heads.frozen import FrozenTarget
 from mtp_train.runtime.drafters import HeadDrafter, head_drafter
 from mtp_train.runtime.engine import Engine
 from mtp_train.runtime.sampling import SamplingParams
+from mtp_train.runtime.speculative import SpeculativeDecoder
 from mtp_train.runtime.tree import TreeShape
 from mtp_train.train.checkpoint import load_head
 from mtp_train.train.ttt import TTTAttention
@@ -124,6 +125,24 @@ def test_decoding_with_a_windowed_head_is_lossless(prompts, reference, request, 
     assert sum(a for r in out for a in r.stats.accepted) > 0, "the windowed head still drafts tokens that are accepted"
 
 
+def test_a_windowed_draft_holds_the_windows_pages_only(prompts, reference, request):  # noqa: F811
+    """Prompts of up to 150 tokens in pages of 4, a window of 16 at k = 3: past the prefill each sequence holds at
+    most the pages of its window and a step's drafts, the stand-in page in place of the rest, and gives all back."""
+    head = _windowed(request, "mtp")
+    engine = Engine.from_pretrained(TINY_TARGET, page_size=4, max_seqs=8)
+    decoder = SpeculativeDecoder(engine, head_drafter(engine, head), 3)
+    alloc = decoder.drafter.allocator
+    held = []
+
+    def count(seqs):
+        held.extend(sum(p != alloc.stand_in for p in s.draft_pages.pages) for s in seqs if s.output)
+
+    out = decoder.generate(prompts, GREEDY, on_step=count)
+    assert [r.tokens for r in out] == reference
+    assert max(len(p) for p in prompts) > 100 and held and max(held) <= (WINDOW + 3 + 1) // 4 + 2
+    assert alloc.num_free == alloc.num_pages
+
+
 def test_a_windowed_tree_of_topk_1_is_the_windowed_chain_step_for_step(prompts, reference, request):  # noqa: F811
     """The tree's nodes see the window of their own positions (not of their slots): a tree of topk 1 drafts what
     the chain drafts, and a wide tree stays lossless."""
@@ -182,3 +201,57 @@ def test_the_runtimes_window_reads_what_a_dense_mask_reads(case):
                                               enable_gqa=True)[0].transpose(0, 1)
         torch.testing.assert_close(got[row : row + n], want, rtol=1e-5, atol=1e-5)
         row += n
+
+
+def _windowed_run(run, tmp):
+    """A copy of a tiny run (features and head) whose head and recipe take ``head.window`` WINDOW."""
+    import json
+    import shutil
+
+    import yaml
+
+    shutil.copytree(run.parent / "run", tmp / "run")
+    recipe = yaml.safe_load(run.read_text())
+    recipe["output_dir"] = str(tmp / "run")
+    recipe["head"]["window"] = WINDOW
+    (tmp / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    config = tmp / "run" / "heads" / recipe["head"]["kind"] / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "window": WINDOW}))
+    return tmp / "recipe.yaml"
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "sglang", "speculators"])
+def test_the_export_writes_the_window_where_each_engine_reads_it(eagle3_run, dflash_run, trained_run, tmp_path, fmt):
+    import json
+
+    from conftest import assert_one_line_user_error, run_cli
+
+    recipe = _windowed_run(eagle3_run, tmp_path / "eagle3")
+    assert run_cli("export", recipe, "--format", fmt, "--out", tmp_path / fmt).returncode == 0
+    config = json.loads((tmp_path / fmt / "config.json").read_text())
+    layer = config["transformer_layer_config"] if fmt == "speculators" else config
+    assert (layer["layer_types"], layer["sliding_window"]) == (["sliding_attention"], WINDOW)
+    if fmt == "sglang":
+        assert f"--speculative-draft-window-size {WINDOW}" in (tmp_path / fmt / "README.md").read_text()
+    if fmt == "vllm":
+        recipe = _windowed_run(dflash_run, tmp_path / "dflash")
+        assert run_cli("export", recipe, "--format", "vllm", "--out", tmp_path / "d").returncode == 0
+        config = json.loads((tmp_path / "d" / "config.json").read_text())
+        assert config["dflash_config"]["use_swa"] is True and config["dflash_config"]["swa_window_size"] == WINDOW
+        assert "layer_types" not in config  # (vLLM would take a sliding layer of its types as causal)
+    recipe = _windowed_run(trained_run, tmp_path / "mtp")
+    assert_one_line_user_error(run_cli("export", recipe, "--format", "sglang", "--out", tmp_path / "m"),
+                               "head.window 16", "runs no sliding window in its mtp drafts")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_vllm_serves_the_exported_windowed_head_as_this_runtime_does(request, tmp_path, kind):
+    """The window as vLLM 0.32 runs it (eagle3: a sliding Llama layer; dflash: a non-causal sliding layer) accepts
+    what this runtime's does, prompts longer than the window."""
+    from conftest import vllm_check
+
+    recipe = _windowed_run(request.getfixturevalue(f"{kind}_run"), tmp_path)
+    proc = vllm_check(recipe, tmp_path / "work", "--k", "3")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "PASS: 1/1 k within 3%" in proc.stdout

@@ -67,7 +67,8 @@ class Drafter:
 
     def __init__(self, engine: Engine, num_layers: int, dtype: torch.dtype, sliding_window: int | None) -> None:
         self.engine = engine
-        self.allocator = PageAllocator(engine.allocator.num_pages, engine.allocator.page_size)
+        self.window = sliding_window  # keys above a query's position minus the window only: pages below are given back
+        self.allocator = PageAllocator(engine.allocator.num_pages, engine.allocator.page_size, sliding_window is not None)
         self.leader = engine.tp.rank == 0
         cfg = dataclasses.replace(self.kv_config(), num_layers=num_layers)
         self.kv = KVPool(cfg, self.allocator, dtype, engine.device) if self.leader else None

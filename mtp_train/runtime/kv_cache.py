@@ -4,7 +4,9 @@ The target's pool and allocator belong to the engine. A speculative draft has a 
 allocator of its own holding as many pages as the target's (``Sequence.draft_pages``): the draft's pages are
 as small as its K/V (a one-layer head beside a 30-layer target: 1/30 of a target page), so speculation takes
 memory in proportion to the draft's size and leaves the target its whole capacity. Preempting or retiring a
-sequence releases both.
+sequence releases both. A draft with a sliding window (``head.window``) gives back, as its sequences grow, the
+pages wholly below every later query's window (``PageAllocator.release_below``): a long prompt holds the window's
+pages of draft K/V, not the prompt's.
 """
 
 from __future__ import annotations
@@ -29,12 +31,16 @@ class PageTable:
 
 
 class PageAllocator:
-    """Free-list allocator of ``num_pages`` pages of ``page_size`` token slots."""
+    """Free-list allocator of ``num_pages`` pages of ``page_size`` token slots; with ``stand_in``, one more page
+    (``pool_pages``) stands in for the pages given back below a window, never handed out or freed: what is written
+    there is never read."""
 
-    def __init__(self, num_pages: int, page_size: int) -> None:
+    def __init__(self, num_pages: int, page_size: int, stand_in: bool = False) -> None:
         self.num_pages = num_pages
         self.page_size = page_size
         self._free = list(range(num_pages - 1, -1, -1))
+        self.stand_in = num_pages if stand_in else None
+        self.pool_pages = num_pages + stand_in
 
     @property
     def num_free(self) -> int:
@@ -57,8 +63,19 @@ class PageAllocator:
         """Keep only the first ``num_tokens`` tokens (rejected speculative tokens go), freeing emptied pages."""
         keep = -(-num_tokens // self.page_size)
         while len(table.pages) > keep:
-            self._free.append(table.pages.pop())
+            page = table.pages.pop()
+            if page != self.stand_in:
+                self._free.append(page)
         table.num_tokens = min(table.num_tokens, num_tokens)
+
+    def release_below(self, table: PageTable, position: int) -> None:
+        """Give back the pages wholly below ``position`` (no query will read them again), the stand-in page taking
+        their place in ``table`` so that positions keep their slots."""
+        assert self.stand_in is not None, "an allocator without a stand-in page keeps every page"
+        for i in range(min(len(table.pages), max(0, position) // self.page_size)):
+            if table.pages[i] != self.stand_in:
+                self._free.append(table.pages[i])
+                table.pages[i] = self.stand_in
 
     def free(self, table: PageTable) -> None:
         self.truncate(table, 0)
@@ -75,7 +92,7 @@ class KVPool:
         self, cfg: ModelConfig, allocator: PageAllocator, dtype: torch.dtype, device: torch.device, tp_size: int = 1
     ) -> None:
         heads, k_dim, v_dim = cfg.kv_entry(tp_size)
-        pages = (cfg.num_layers, allocator.num_pages, allocator.page_size, heads)
+        pages = (cfg.num_layers, allocator.pool_pages, allocator.page_size, heads)
         self.k = torch.zeros((*pages, k_dim), dtype=dtype, device=device)
         self.v = torch.zeros((*pages, v_dim), dtype=dtype, device=device)
         self.layers = [(self.k[i], self.v[i]) for i in range(cfg.num_layers)]  # per-layer views

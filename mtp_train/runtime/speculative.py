@@ -120,10 +120,11 @@ class SpeculativeDecoder:
         self._sync(scheduler, feeds, clock, timed=False)
 
     def _sync(self, scheduler: Scheduler, feeds: list[Feed], clock: RegionClock, timed: bool = True) -> None:
-        """Truncate each draft to its feed's start, reserve its pages (preempting when short), forward."""
+        """Truncate each draft to its feed's start, reserve its pages (preempting when short), forward; a windowed
+        draft then gives back its pages below every later query's window."""
         if timed:
             clock.start("draft")
-        alloc = self.drafter.allocator
+        alloc, window = self.drafter.allocator, self.drafter.window
         for f in feeds:
             alloc.truncate(f.seq.draft_pages, f.start)
         for f in feeds:
@@ -132,6 +133,8 @@ class SpeculativeDecoder:
             if f.seq.status is Status.RUNNING:
                 alloc.reserve(f.seq.draft_pages, len(f.tokens))
         self.drafter.forward([f for f in feeds if f.seq.status is Status.RUNNING])
+        for f in feeds if window else ():  # every later query stands past the feed: it reads keys above that - window
+            alloc.release_below(f.seq.draft_pages, f.start + len(f.tokens) - window + 1)
         if timed:
             clock.stop("draft")
             self.timings.draft_forwards += not self.drafter.defers_writes  # (kept for the next draft forward)
