@@ -79,4 +79,5 @@ def check_first_rows(recipe: Recipe, tasks: int = 1) -> DiskPlan:
     per_token = {dtype: bytes_per_token(len(stored_layers(recipe, cfg)), cfg.hidden_size, p.topk, dtype)
                  for dtype in ("bf16", "fp8")}
     stored = "online" if p.mode == "online" else p.hidden_dtype
-    return DiskPlan(recipe.features_dir, round(rows * mean), per_token, stored, tasks, how)
+    return DiskPlan(recipe.features_dir, round(rows * mean), per_token, stored, tasks, how,
+                    (max(len(ids) for ids, _, _ in encoded), d.max_length))

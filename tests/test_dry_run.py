@@ -111,6 +111,7 @@ def small_filesystem(tmp_path):
 
 def test_the_dry_run_prints_the_features_disk_in_bf16_and_fp8_per_array_task_and_0_online(tmp_path):
     from mtp_train.features.space import size
+    from mtp_train.recipe import load_recipe
 
     recipe = _recipe(tmp_path, rows=sgd_rows(10))
     hidden = json.loads((TINY_TARGET / "config.json").read_text())["hidden_size"]
@@ -121,8 +122,11 @@ def test_the_dry_run_prints_the_features_disk_in_bf16_and_fp8_per_array_task_and
         override = "precompute.mode=online" if mode == "online" else f"precompute.hidden_dtype={mode}"
         proc = run_cli(recipe, override, "--dry-run")
         assert proc.returncode == 0, proc.stderr
-        sizes, chosen[mode] = proc.stdout.split("disk for the features:\n", 1)[1].splitlines()[:2]
+        sizes, sample, chosen[mode] = proc.stdout.split("disk for the features:\n", 1)[1].splitlines()[:3]
         tokens = int(sizes.split()[0].replace(",", ""))
+        most = load_recipe(recipe).data.max_length  # one sample's features, at the longest a row may be
+        assert sample.startswith("  one sample: the longest sampled row, ") and sample.endswith(
+            f"at data.max_length, {most:,} tokens, bf16 {size(most * bf16)}, fp8 {size(most * fp8)}"), sample
         assert "(10 rows x " in sizes and f"bf16 {bf16:,} B/token = {size(tokens * bf16)}" in sizes, sizes
         assert f"fp8 {fp8:,} B/token = {size(tokens * fp8)}" in sizes, sizes
         assert chosen[mode].endswith(": fits"), chosen[mode]

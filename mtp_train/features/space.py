@@ -43,6 +43,7 @@ class DiskPlan:
     stored: str  # a key of per_token, or "online"
     tasks: int
     how: str  # how ``tokens`` was found, for the line
+    longest: tuple[int, int] = (0, 0)  # the longest sampled row's tokens, and data.max_length (what one sample holds)
 
     @property
     def total(self) -> int:
@@ -55,9 +56,15 @@ class DiskPlan:
         sizes = "; ".join(f"{dtype} {n:,} B/token = {size(self.tokens * n)}" for dtype, n in self.per_token.items())
         chosen = ("precompute.mode online: 0 B stored (training scores the shards)" if self.stored == "online"
                   else f"precompute.hidden_dtype {self.stored}: {size(self.total)}{per_task}")
-        return ["disk for the features:",
-                f"  {self.tokens:,} tokens ({self.how}): {sizes}",
-                f"  {chosen}; {size(free)} free on the filesystem of {where}: {verdict}"]
+        lines = ["disk for the features:", f"  {self.tokens:,} tokens ({self.how}): {sizes}"]
+        if self.longest[1]:
+            row, most = self.longest
+            lines.append(f"  one sample: the longest sampled row, {row:,} tokens, {self._sample(row)}; at "
+                         f"data.max_length, {most:,} tokens, {self._sample(most)}")
+        return lines + [f"  {chosen}; {size(free)} free on the filesystem of {where}: {verdict}"]
+
+    def _sample(self, tokens: int) -> str:
+        return ", ".join(f"{dtype} {size(tokens * n)}" for dtype, n in self.per_token.items())
 
     def check(self) -> None:
         """A one-line :class:`UserError` when the features' filesystem lacks the space they need."""
