@@ -29,15 +29,25 @@ def bucket_contexts(token_ids: list[list[int]]) -> dict[str, list[int]]:
     return {b: sorted(group, key=len)[(len(group) - 1) // 2] for b, group in by_bucket.items()}
 
 
-def context_costs(engine: Engine, drafter: Drafter, k: int, token_ids: list[list[int]]) -> dict[str, float]:
-    """c by length bucket of ``token_ids`` (a bucket whose probe made no decode step or draft forward is left out)."""
+def context_times(engine: Engine, drafter: Drafter, k: int, token_ids: list[list[int]], repeats: int = 1
+                  ) -> dict[str, tuple[float, float]]:
+    """Seconds of one draft forward and of one plain decode step by length bucket of ``token_ids``, over ``repeats``
+    probes of each, in turn (a bucket whose probe made no decode step or draft forward is left out)."""
     params = [SamplingParams(temperature=0.0, max_new_tokens=PROBE_TOKENS)]
-    costs = {}
+    times = {}
     for bucket, ids in bucket_contexts(token_ids).items():
-        _, plain = plain_decode(engine, [ids], params)
-        decoder = SpeculativeDecoder(engine, drafter, k)
-        decoder.generate([ids], params)
-        t = decoder.timings
-        if plain.decode_step_s > 0 and t.draft_forwards:
-            costs[bucket] = t.draft_s / t.draft_forwards / plain.decode_step_s
-    return costs
+        draft_s = forwards = step_s = steps = 0
+        for _ in range(repeats):
+            _, plain = plain_decode(engine, [ids], params)
+            decoder = SpeculativeDecoder(engine, drafter, k)
+            decoder.generate([ids], params)
+            draft_s, forwards = draft_s + decoder.timings.draft_s, forwards + decoder.timings.draft_forwards
+            step_s, steps = step_s + plain.decode_s, steps + plain.decode_steps
+        if steps and forwards and step_s > 0:
+            times[bucket] = (draft_s / forwards, step_s / steps)
+    return times
+
+
+def context_costs(engine: Engine, drafter: Drafter, k: int, token_ids: list[list[int]]) -> dict[str, float]:
+    """c by length bucket of ``token_ids``: ``context_times``' draft forward over its plain decode step."""
+    return {b: draft / step for b, (draft, step) in context_times(engine, drafter, k, token_ids).items()}
