@@ -95,8 +95,7 @@ class Group(BaseModel):
     num_steps: int | None = None
     """Verify steps in the slice, so that slices can be pooled (α₁ is accepted first drafts / steps)."""
     draft_cost_ratio: float | None = None
-    """c at this context-length bucket (one draft forward over one plain decode step, batch 1, at the bucket's median
-    prompt: :mod:`mtp_train.eval.context_probe`); ``None`` for other slices and in reports that predate it."""
+    """c at this length bucket (:mod:`mtp_train.eval.context_probe`); None elsewhere and in older reports."""
 
 
 
