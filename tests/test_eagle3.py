@@ -52,17 +52,21 @@ def test_the_engines_default_aux_layers():
 
 
 @pytest.mark.parametrize("steps", [1, 3])
-def test_training_time_test_computes_what_chained_drafting_computes(steps):
+@pytest.mark.parametrize("window", [0, 6])
+def test_training_time_test_computes_what_chained_drafting_computes(steps, window):
     """Step j at row i of TTT equals the head run causally over the sequence the runtime's draft holds when it drafts
-    there: the target-fed positions 0..i, then its own chain inputs at i+1..i+j (each fed its previous output)."""
+    there: the target-fed positions 0..i, then its own chain inputs at i+1..i+j (each fed its previous output). With
+    a window (``head.window``), step j stands at position i + j: it sees the step-0 keys above i + j - window, as the
+    chain step drafting there sees its window."""
     frozen = FrozenTarget.load(TINY_TARGET)
     torch.manual_seed(0)
-    head = build_head(head_spec("eagle3", 1, frozen.cfg, "x", aux_layers=(1, 2, 3), draft_vocab=512)).eval()
+    head = build_head(head_spec("eagle3", 1, frozen.cfg, "x", aux_layers=(1, 2, 3), draft_vocab=512,
+                                window=window)).eval()
     n = 24
     tokens = torch.randint(0, frozen.cfg.vocab_size, (n,))
     g = head.project(torch.randn(n, 3 * frozen.cfg.hidden_size))
     rows = torch.arange(n)
-    plan, hidden, outs = TTTAttention([0, n]), g, []
+    plan, hidden, outs = TTTAttention([0, n], window), g, []
     with torch.no_grad():
         for j in range(steps):
             embeds = frozen.embed(tokens[(rows + 1 + j).clamp(max=n - 1)])
@@ -73,7 +77,7 @@ def test_training_time_test_computes_what_chained_drafting_computes(steps):
             for j in range(steps):
                 length = i + 1 + j
                 out = head.run(frozen.embed(torch.stack(seq_tokens)), torch.stack(seq_hidden), torch.arange(length),
-                               DocumentCausalAttention([0, length]), [(None, None)])[-1]
+                               DocumentCausalAttention([0, length], window), [(None, None)])[-1]
                 torch.testing.assert_close(outs[j][i], out, rtol=1e-5, atol=1e-5)
                 if j + 1 < steps:
                     seq_tokens.append(tokens[i + 2 + j])

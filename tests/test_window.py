@@ -1,6 +1,7 @@
 """``head.window``: a draft head that attends to its last ``window`` positions only, the same in training (document
-causal, training-time test, dflash blocks) as in the runtime's paged drafting (chains, trees, blocks), which reads
-the window's keys only; decoding with it stays lossless."""
+causal here; training-time test in tests/test_eagle3.py, dflash blocks in tests/test_dflash.py) as in the runtime's
+paged drafting (chains, trees, blocks), which reads the window's keys only; decoding with it stays lossless; the
+export, and vLLM serving it."""
 
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ from mtp_train.runtime.sampling import SamplingParams
 from mtp_train.runtime.speculative import SpeculativeDecoder
 from mtp_train.runtime.tree import TreeShape
 from mtp_train.train.checkpoint import load_head
-from mtp_train.train.ttt import TTTAttention
 from test_speculative import GREEDY, decode, prompts, reference  # noqa: F401
 from test_tree import _tree_decode
 
@@ -80,33 +80,6 @@ def test_the_windowed_training_forward_is_the_runtimes_paged_one(kind):
         full = head.run(embeds, hidden, positions, DocumentCausalAttention(cu), [(None, None)])
     torch.testing.assert_close(paged, trained, rtol=1e-4, atol=1e-4)
     assert (full - trained).abs().max() > 1e-2, "the window changes what rows past it compute"
-
-
-@pytest.mark.parametrize("steps", [1, 3])
-def test_windowed_training_time_test_computes_what_windowed_chained_drafting_computes(steps):
-    """Step j at row i stands at position i + j: it sees the step-0 keys above i + j - window, as the draft's chain
-    step there sees its window of the sequence it holds."""
-    frozen = FrozenTarget.load(TINY_TARGET)
-    head = _random("eagle3", frozen, 6)
-    n = 24
-    tokens = torch.randint(0, frozen.cfg.vocab_size, (n,))
-    g = head.project(torch.randn(n, 3 * frozen.cfg.hidden_size))
-    rows = torch.arange(n)
-    plan, hidden, outs = TTTAttention([0, n], 6), g, []
-    with torch.no_grad():
-        for j in range(steps):
-            hidden = head(frozen.embed(tokens[(rows + 1 + j).clamp(max=n - 1)]), hidden, rows + j, plan)
-            outs.append(hidden)
-        for i in range(n - steps):
-            seq_tokens, seq_hidden = list(tokens[1 : i + 2]), list(g[: i + 1])
-            for j in range(steps):
-                length = i + 1 + j
-                out = head.run(frozen.embed(torch.stack(seq_tokens)), torch.stack(seq_hidden), torch.arange(length),
-                               DocumentCausalAttention([0, length], 6), [(None, None)])[-1]
-                torch.testing.assert_close(outs[j][i], out, rtol=1e-4, atol=1e-4)
-                if j + 1 < steps:
-                    seq_tokens.append(tokens[i + 2 + j])
-                    seq_hidden.append(out)
 
 
 def _windowed(request, kind: str):
