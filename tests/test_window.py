@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import TINY_TARGET
+from conftest import REPO, TINY_TARGET
 from mtp_train.eval.validation import paged_forward
 from mtp_train.heads import build_head, head_spec
 from mtp_train.heads.attention import DocumentCausalAttention, causal_ranges, range_attention
@@ -63,21 +63,23 @@ def _random(kind: str, frozen: FrozenTarget, window: int):
     return head
 
 
-@pytest.mark.parametrize("kind", ["mtp", "eagle"])
-def test_the_windowed_training_forward_is_the_runtimes_paged_one(kind):
+@pytest.mark.parametrize("kind, target", [("mtp", TINY_TARGET), ("eagle", TINY_TARGET),
+                                          ("mtp", REPO / "recipes" / "tiny-deepseek" / "target")])
+def test_the_windowed_training_forward_is_the_runtimes_paged_one(kind, target):
     """Packed documents longer than the window: the trainer's forward and the runtime's paged K/V and attention
-    (pages of 4 tokens, the window's keys gathered) agree, and differ from full attention."""
-    frozen = FrozenTarget.load(TINY_TARGET)
+    (pages of 4 tokens, the window's keys gathered) agree, and differ from full attention; on the tiny DeepSeek
+    target too, whose head's latent attention takes the window in its absorbed form."""
+    frozen = FrozenTarget.load(target)
     head = _random(kind, frozen, WINDOW)
     cu = [0, 41, 50, 87]
     positions = torch.cat([torch.arange(e - s) for s, e in zip(cu[:-1], cu[1:])])
     embeds = torch.randn(87, frozen.cfg.hidden_size)
     hidden = torch.randn(87, frozen.cfg.hidden_size)
-    engine = Engine.from_pretrained(TINY_TARGET, page_size=4)
+    engine = Engine.from_pretrained(target, page_size=4)
     with torch.no_grad():
         trained = head(embeds, hidden, positions, cu)
         paged = paged_forward(HeadDrafter(engine, head))(embeds, hidden, positions, cu)
-        full = head.run(embeds, hidden, positions, DocumentCausalAttention(cu), [(None, None)])
+        full = head.run(embeds, hidden, positions, DocumentCausalAttention(cu), [(None, None)] * len(head.layers))
     torch.testing.assert_close(paged, trained, rtol=1e-4, atol=1e-4)
     assert (full - trained).abs().max() > 1e-2, "the window changes what rows past it compute"
 
