@@ -2,8 +2,9 @@
 # Issue #49's peer campaign (bench/peer_parity.py), resumed session after session at the code its kept runs were made
 # with, while development goes on beside it on main.
 #
-#   bench/campaign.sh start   # this checkout detached at PIN and set up; main checked out in $DEV (its own .venv);
-#                             # the campaign started with --reuse, and a loop committing its results on main every 2 min
+#   bench/campaign.sh start [ARGS]  # this checkout detached at PIN and set up; main checked out in $DEV (its own
+#                             # .venv); peer_parity.py --reuse ARGS started, and a loop committing its results on main
+#                             # every 2 min (the sweep's grid now: --sweep-lr 3e-4 1e-3 3e-3 1e-2 3e-2)
 #   $DEV/bench/campaign.sh stop   # both stopped, what landed committed, $DEV removed, main checked out here again
 #
 # Why: a kept run's key hashes the code that trains, exports and serves (bench/peer_runs.py's CODE: mtp_train,
@@ -41,7 +42,7 @@ start)
     (cd "$DEV" && make venv)
     mkdir -p "$LOGS"
     nohup nice -n 5 "$REPO/.venv/bin/python" bench/peer_parity.py --reuse --results "$DEV/bench/peer_results" \
-        > "$LOGS/parity.log" 2>&1 &
+        "${@:2}" > "$LOGS/parity.log" 2>&1 &
     export -f commit_results
     export DEV
     nohup bash -c 'while true; do commit_results; sleep 120; done' > "$LOGS/commits.log" 2>&1 &
