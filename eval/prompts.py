@@ -48,8 +48,8 @@ from pathlib import Path
 from typing import Any
 
 from mtp_train.errors import UserError
+from mtp_train.recipe_types import PROMPT_SETS  # the recipe's eval.prompt_sets choices are these sets
 
-PROMPT_SETS = ("heldout", "spec_bench", "mt_bench", "humaneval", "gsm8k", "sgd_dev", "long")
 DATA_DIR = Path(__file__).resolve().parents[1] / "data" / "eval"
 FILES = {
     "spec_bench": "spec_bench/question.jsonl",

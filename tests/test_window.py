@@ -6,16 +6,21 @@ export, and vLLM serving it."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 
-from conftest import REPO, TINY_TARGET
+from conftest import REPO, TINY_TARGET, assert_one_line_user_error, run_cli, vllm_check
 from mtp_train.eval.validation import paged_forward
 from mtp_train.heads import build_head, head_spec
 from mtp_train.heads.attention import DocumentCausalAttention, causal_ranges, range_attention
 from mtp_train.heads.frozen import FrozenTarget
+from mtp_train.runtime.attention import TorchAttention
+from mtp_train.runtime.batch import TreeMask, build_batch
 from mtp_train.runtime.drafters import HeadDrafter, head_drafter
 from mtp_train.runtime.engine import Engine
 from mtp_train.runtime.sampling import SamplingParams
@@ -135,9 +140,6 @@ def test_the_runtimes_window_reads_what_a_dense_mask_reads(case):
     """The torch backend's windowed attention against SDPA over every cached key with a dense mask, two sequences
     on scattered pages of 4: a causal prefill and verify, a non-causal block, and a tree of 2 levels of 3 nodes,
     whose positions (depths) are not its slots, so the window is taken from positions."""
-    from mtp_train.runtime.attention import TorchAttention
-    from mtp_train.runtime.batch import TreeMask, build_batch
-
     torch.manual_seed(0)
     window, size, heads, kv_heads, dim = 6, 4, 4, 2, 8
     cached, new = {"prefill": ([0, 0], [19, 11]), "verify": ([17, 9], [4, 4]), "block": ([17, 9], [5, 5]),
@@ -180,11 +182,6 @@ def test_the_runtimes_window_reads_what_a_dense_mask_reads(case):
 
 def _windowed_run(run, tmp):
     """A copy of a tiny run (features and head) whose head and recipe take ``head.window`` WINDOW."""
-    import json
-    import shutil
-
-    import yaml
-
     shutil.copytree(run.parent / "run", tmp / "run")
     recipe = yaml.safe_load(run.read_text())
     recipe["output_dir"] = str(tmp / "run")
@@ -197,10 +194,6 @@ def _windowed_run(run, tmp):
 
 @pytest.mark.parametrize("fmt", ["vllm", "sglang", "speculators"])
 def test_the_export_writes_the_window_where_each_engine_reads_it(eagle3_run, dflash_run, trained_run, tmp_path, fmt):
-    import json
-
-    from conftest import assert_one_line_user_error, run_cli
-
     recipe = _windowed_run(eagle3_run, tmp_path / "eagle3")
     assert run_cli("export", recipe, "--format", fmt, "--out", tmp_path / fmt).returncode == 0
     config = json.loads((tmp_path / fmt / "config.json").read_text())
@@ -224,8 +217,6 @@ def test_the_export_writes_the_window_where_each_engine_reads_it(eagle3_run, dfl
 def test_vllm_serves_the_exported_windowed_head_as_this_runtime_does(request, tmp_path, kind):
     """The window as vLLM 0.32 runs it (eagle3: a sliding Llama layer; dflash: a non-causal sliding layer) accepts
     what this runtime's does, prompts longer than the window."""
-    from conftest import vllm_check
-
     recipe = _windowed_run(request.getfixturevalue(f"{kind}_run"), tmp_path)
     proc = vllm_check(recipe, tmp_path / "work", "--k", "3")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -21,7 +21,7 @@ from mtp_train.runtime.batch import BatchMetadata
 from mtp_train.runtime import small_rows
 from mtp_train.runtime.device import to_device
 from mtp_train.runtime.small_rows import LayerWeights
-from mtp_train.runtime.window_attention import windowed_attention
+from mtp_train.runtime.window_attention import WindowChunk, window_plan, windowed_attention
 
 
 class AttentionBackend(Protocol):
@@ -139,6 +139,7 @@ class TorchStep:
         self._pageable = bool(self._by_len and causal and sliding_window is None and meta.tree is None
                               and meta.tokens.device.type == "cpu" and small_rows.kernel() is not None)
         self._paged: tuple[torch.Tensor | slice, tuple[torch.Tensor, ...]] | None = None
+        self._window_chunks: list[WindowChunk] | None = None
 
     @property
     def paged(self) -> tuple[torch.Tensor | slice, tuple[torch.Tensor, ...]]:
@@ -157,6 +158,14 @@ class TorchStep:
             self._paged = rows, (torch.tensor(q_start), torch.tensor([kv_lens[b] for b in seqs]), page_start,
                                  self.meta.page_indices.long())
         return self._paged
+
+    @property
+    def window_chunks(self) -> list[WindowChunk]:
+        """With a sliding window: the step's query chunks, their keys' slots and masks (built once, for every
+        layer)."""
+        if self._window_chunks is None:
+            self._window_chunks = window_plan(self.meta, self.sliding_window, self.causal)
+        return self._window_chunks
 
     @property
     def groups(self) -> list[_Group]:
@@ -183,7 +192,7 @@ class TorchStep:
         self.write(k, v, k_cache, v_cache)
         if self.sliding_window is not None:
             flat_k, flat_v = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
-            return windowed_attention(q, self.meta, self.sliding_window, self.causal,
+            return windowed_attention(q, self.window_chunks,
                                       lambda slots: (flat_k.index_select(0, slots), flat_v.index_select(0, slots)))
         paged = None
         if self._pageable and q.dtype == k_cache.dtype == torch.float32 and not q.requires_grad and decode_copies():
@@ -209,7 +218,7 @@ class TorchStep:
                 g = flat.index_select(0, s)
                 return g, g[..., :v_dim]
 
-            return windowed_attention(q, self.meta, self.sliding_window, self.causal, slots, scale)
+            return windowed_attention(q, self.window_chunks, slots, scale)
 
         def gather(pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             g = cache.index_select(0, pages)
