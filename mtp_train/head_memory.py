@@ -1,12 +1,18 @@
 """What training a head holds per rank, measured from the module the trainer builds: its parameters and the
-activations autograd saves, counted on the meta device (no memory, no arithmetic), with the attention kernel the
+activations autograd saves, counted without memory or arithmetic (``counting``: the meta device in fp32; under bf16
+autocast, the plan's default on a GPU, fake CPU tensors that CPU autocast casts), with the attention kernel the
 trainer runs on a GPU (``attention_kernel``: a flash kernel keeps no scores; SDPA's math kernel keeps each document's,
 which grow with the square of its length; ``range_attention``'s chunks keep none, their scores bounded per chunk);
 and the loss's gathered rows. ``mtp_train.memory`` puts them into the plans."""
 
 from __future__ import annotations
 
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
+
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mtp_train.heads import AUX_KINDS, build_head, head_spec
@@ -24,7 +30,7 @@ class _FlashSaves(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(q)
+        out = q.new_empty(q.shape[1], q.shape[0], q.shape[2]).transpose(0, 1)  # SDPA's layout: the reshape copies
         ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:2], dtype=torch.float32))
         return out
 
@@ -51,35 +57,79 @@ def _plan_spec(recipe: Recipe, cfg: ModelConfig, kind: str | None = None):
                      h.mask_id(cfg.vocab_size), h.fc_norm, h.norm_output, h.parallel_drafts or 0, h.window or 0)
 
 
-def head_activation_bytes_per_token(recipe: Recipe, cfg: ModelConfig) -> int:
-    """Bytes autograd saves per token for one unrolled step of the head with a flash kernel's attention, counted
-    on the meta device."""
-    tokens = 1024
-    spec = _plan_spec(recipe, cfg)
-    with torch.device("meta"):
-        head = build_head(spec)
-        embeds, hidden = torch.empty(tokens, cfg.hidden_size), torch.empty(tokens, cfg.hidden_size)
-        positions = torch.arange(tokens)
-    params = {id(p) for p in head.parameters()}
-    saved = 0
+def autocast_dtype(recipe: Recipe) -> torch.dtype | None:
+    """The dtype the trainer's autocast computes the head in on a GPU (``train.mixed_precision``: ``auto`` is bf16
+    on CUDA; the trainer's only autocast is bf16's), or None: fp32."""
+    return torch.bfloat16 if recipe.train.mixed_precision in ("auto", "bf16") else None
+
+
+@contextlib.contextmanager
+def counting(half: torch.dtype | None, device: str = "meta") -> Iterator[str]:
+    """Where the plan's forwards run, yielding the device to build on. fp32: ``device`` (``meta`` by default: no
+    memory, no arithmetic; ``cpu`` for the tests' real forwards). Under ``half`` autocast, CPU autocast, which casts
+    what a GPU's does for the head's ops (linear, matmul and SDPA in half; the norms take fp32 statistics
+    themselves); the meta device has no autocast, so the tensors are fake CPU ones (no memory, no arithmetic)
+    unless ``device`` is ``cpu``."""
+    fake = (FakeTensorMode(allow_non_fake_inputs=True) if half is not None and device == "meta"
+            else contextlib.nullcontext())
+    cast = torch.autocast("cpu", dtype=half) if half is not None else contextlib.nullcontext()
+    with fake, cast:
+        yield "cpu" if half is not None else device
+
+
+def saved_storages(params: list[torch.Tensor]) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[], int]]:
+    """A ``saved_tensors_hooks`` pack hook and the bytes of what it saw that is still held: each storage once (a
+    view shares its base's bytes; a temporary whose graph was dropped holds nothing), ``params``' storages left out
+    (what the model or the batch holds anyway)."""
+    skip = {t.untyped_storage()._cdata for t in params}
+    saved: list[weakref.ref] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal saved
-        if id(t) not in params and id(t._base) not in params:
-            saved += t.numel() * t.element_size()
+        saved.append(weakref.ref(t))
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        head.run(embeds, hidden, positions, _FlashLikeAttention(), [(None, None)] * len(head.layers))
-    return saved // tokens
+    def held() -> int:
+        kept = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in (r() for r in saved)
+                if t is not None and t.untyped_storage()._cdata not in skip}
+        return sum(kept.values())
+
+    return pack, held
+
+
+def _flash_saved_bytes(recipe: Recipe, cfg: ModelConfig, tokens: int) -> int:
+    """Bytes autograd keeps for one step of the head over ``tokens`` positions with a flash kernel's attention."""
+    with counting(autocast_dtype(recipe)) as device, torch.device(device):
+        head = build_head(_plan_spec(recipe, cfg))
+        embeds, hidden = torch.empty(tokens, cfg.hidden_size), torch.empty(tokens, cfg.hidden_size)
+        pack, held = saved_storages(list(head.parameters()))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = head.run(embeds, hidden, torch.arange(tokens), _FlashLikeAttention(), [(None, None)] * len(head.layers))
+        saved = held()
+        del out
+    return saved
+
+
+def head_activation_bytes_per_token(recipe: Recipe, cfg: ModelConfig) -> int:
+    """Bytes autograd saves per token for one unrolled step of the head with a flash kernel's attention: the
+    difference of two lengths, which leaves out what does not grow with them (autocast's half copies of the
+    head's weights: ``autocast_weight_bytes``)."""
+    n = 1024
+    return (_flash_saved_bytes(recipe, cfg, 2 * n) - _flash_saved_bytes(recipe, cfg, n)) // n
+
+
+def autocast_weight_bytes(recipe: Recipe, cfg: ModelConfig) -> int:
+    """What autocast keeps beside the activations: its half copy of each of the head's weights, made once per
+    autocast region and saved for backward (the trainer's region spans the unrolled steps)."""
+    return 2 * head_parameter_count(recipe, cfg) if autocast_dtype(recipe) is not None else 0
 
 
 def _balanced_bincount(ids: torch.Tensor, minlength: int = 0) -> torch.Tensor:
-    """``torch.bincount`` for counting on the meta device, which has no kernel for it (and no values to route by):
-    the (token, choice) pairs spread evenly over the experts. What autograd keeps does not depend on the spread
+    """``torch.bincount`` for counting without values (meta or fake tensors: none to route by): the (token, choice)
+    pairs spread evenly over the experts, as a real host tensor. What autograd keeps does not depend on the spread
     (every pair saves the same; an expert's tensors are slices of shared ones), only on the number of pairs."""
     n = ids.numel()
-    return torch.tensor([n // minlength + (e < n % minlength) for e in range(minlength)])
+    with unset_fake_temporarily():
+        return torch.tensor([n // minlength + (e < n % minlength) for e in range(minlength)], device="cpu")
 
 
 def attention_kernel(recipe: Recipe, cfg: ModelConfig, kind: str | None = None) -> str:
@@ -100,13 +150,12 @@ def head_saved_bytes(recipe: Recipe, cfg: ModelConfig, cu_seqlens: list[int], st
     """Bytes autograd keeps for ``steps`` chained steps of the head over packed documents ``cu_seqlens``, with the
     attention the trainer runs (SDPA's math kernel for ``DocumentCausalAttention``'s, ``range_attention`` for MLA's,
     eagle3's ``TTTAttention``, whose keys grow by a step each time, and dflash's ``BlockAttention``, at ``anchors``:
-    per document, every position by default): the storages of the saved tensors still held when the forward ends,
-    each once (a view shares its base's bytes; a temporary whose graph was dropped holds nothing; the aux states are
-    the batch's, not counted here). A dflash head is
-    one forward of blocks over its context, what one checkpointed chunk of ``block_loss`` keeps. A head with
-    experts (``HeadSpec.moe``) routes evenly on the meta device (``_balanced_bincount``)."""
-    import contextlib
-    import weakref
+    per document, every position by default), in the dtype the trainer's autocast computes in (``counting``): the
+    storages of the saved tensors still held when the forward ends (``saved_storages``; the aux states are the
+    batch's, not counted here; autocast's half copies of the weights are, a constant ``head_activation_terms``
+    leaves out). A dflash head is one forward of blocks over its context, what one checkpointed chunk of
+    ``block_loss`` keeps. A head with experts (``HeadSpec.moe``) routes evenly where no values are computed
+    (``_balanced_bincount``)."""
     from unittest import mock
 
     from mtp_train.heads.attention import DocumentCausalAttention
@@ -116,48 +165,40 @@ def head_saved_bytes(recipe: Recipe, cfg: ModelConfig, cu_seqlens: list[int], st
     tokens = cu_seqlens[-1]
     spec = _plan_spec(recipe, cfg)
     eagle3, dflash = spec.kind == "eagle3", spec.kind == "dflash"
-    with torch.device(device):
+    if anchors is None:  # on the host, where the block plan reads them
+        anchors = [torch.arange(e - s - 1) for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:])]  # every one
+    half = autocast_dtype(recipe)
+    fake = device == "meta"
+    routing = mock.patch.object(torch, "bincount", _balanced_bincount) if fake else contextlib.nullcontext()
+    with counting(half, device) as device, routing, torch.device(device):
         head = build_head(spec)
         embeds, hidden = torch.randn(tokens, cfg.hidden_size), torch.randn(tokens, cfg.hidden_size)
         aux = torch.randn(tokens, len(spec.aux_layers) * cfg.hidden_size) if eagle3 or dflash else None
         positions = torch.cat([torch.arange(e - s) for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:])])
-    if anchors is None:  # on the host, where the block plan reads them
-        anchors = [torch.arange(e - s - 1) for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:])]  # every one
-    for module in head.modules():  # experts in a loop on every device: torch's grouped matmul takes bf16 weights
-        if hasattr(module, "no_grouped_mm"):  # only (meta and CUDA), and the head's master weights are fp32
-            module.no_grouped_mm = True
-    # the parameters, and the aux states, which the batch holds (the plan's features term counts them)
-    params = {t.untyped_storage()._cdata for t in [*head.parameters(), *([aux] if aux is not None else [])]}
-    saved: list[weakref.ref] = []
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved.append(weakref.ref(t))
-        return t
-
-    routing = mock.patch.object(torch, "bincount", _balanced_bincount) if device == "meta" else contextlib.nullcontext()
-    with routing, sdpa_kernel(SDPBackend.MATH), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        plan = TTTAttention(cu_seqlens, spec.window) if eagle3 else None
-        for step in range(steps):
-            if dflash:  # one forward drafts the whole block: every step at once
-                firsts = embeds[: sum(a.numel() for a in anchors)]
-                blocks = torch.cat(anchors).to(device)[:, None] + torch.arange(spec.block_size, device=device)
-                out = hidden = head(firsts, aux, positions, blocks.view(-1),
-                                    BlockAttention(cu_seqlens, anchors, spec.block_size, None, spec.window))
-                break
-            if eagle3:
-                out = head(embeds, hidden if step else None, positions + step, plan, None if step else aux)
-                hidden = head.feedback_state(out)
-            else:
-                out = head.run(embeds, hidden, positions, DocumentCausalAttention(cu_seqlens, spec.window),
-                               [(None, None)] * len(head.layers))
-                hidden = head.feedback_state(out)
-    kept: dict[int, int] = {}
-    for ref in saved:
-        t = ref()
-        if t is not None and t.untyped_storage()._cdata not in params:
-            kept[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
-    del out, hidden
-    return sum(kept.values())
+        for module in head.modules():  # experts in a loop on every device: torch's grouped matmul takes bf16 weights
+            if hasattr(module, "no_grouped_mm"):  # only (meta and CUDA), and the head's master weights are fp32
+                module.no_grouped_mm = True
+        # the parameters, and the aux states, which the batch holds (the plan's features term counts them)
+        pack, held = saved_storages([*head.parameters(), *([aux] if aux is not None else [])])
+        with sdpa_kernel(SDPBackend.MATH), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            plan = TTTAttention(cu_seqlens, spec.window) if eagle3 else None
+            for step in range(steps):
+                if dflash:  # one forward drafts the whole block: every step at once
+                    firsts = embeds[: sum(a.numel() for a in anchors)]
+                    blocks = torch.cat(anchors).to(device)[:, None] + torch.arange(spec.block_size, device=device)
+                    out = hidden = head(firsts, aux, positions, blocks.view(-1),
+                                        BlockAttention(cu_seqlens, anchors, spec.block_size, None, spec.window))
+                    break
+                if eagle3:
+                    out = head(embeds, hidden if step else None, positions + step, plan, None if step else aux)
+                    hidden = head.feedback_state(out)
+                else:
+                    out = head.run(embeds, hidden, positions, DocumentCausalAttention(cu_seqlens, spec.window),
+                                   [(None, None)] * len(head.layers))
+                    hidden = head.feedback_state(out)
+        saved = held()
+        del out, hidden
+    return saved
 
 
 def planned_steps(recipe: Recipe) -> int:
@@ -169,14 +210,15 @@ def planned_steps(recipe: Recipe) -> int:
 
 def head_activation_terms(recipe: Recipe, cfg: ModelConfig) -> tuple[int, int]:
     """What the ``train.unroll`` steps of the head keep: ``(bytes per token, bytes per squared token of a
-    document)``, for the kernel ``attention_kernel`` names (a dflash head: ``dflash_activation_terms``).
+    document)``, for the kernel ``attention_kernel`` names (a dflash head: ``dflash_activation_terms``), in the
+    dtype the trainer's autocast computes in (``counting``).
 
     ``flash``: the second term is 0, attention keeping what a flash kernel keeps (q, k, v, output, log-sum-exp).
-    ``chunked``: the second term is 0 too, ``range_attention`` keeping q, k and v; measured on the meta device.
-    ``math``: the kernel's saves are counted too, measured on the meta device: the scaled query, the key and value
-    expanded to every head, and each document's ``[heads, L, S]`` softmax. Measured over the unrolled steps at two
-    lengths of one document, ``saved(L) = a L + b L^2`` gives both terms exactly. fp32 is counted; under bf16
-    autocast the kernel keeps about half."""
+    ``chunked``: the second term is 0 too, ``range_attention`` keeping q, k and v.
+    ``math``: the kernel's saves are counted too: the scaled query, the key and value expanded to every head, and
+    each document's ``[heads, L, S]`` softmax. Measured over the unrolled steps at three lengths of one document,
+    ``saved(L) = c + a L + b L^2`` gives both terms exactly, without the constant ``c`` (autocast's half copies of
+    the weights: ``autocast_weight_bytes``)."""
     steps = planned_steps(recipe)
     kernel = attention_kernel(recipe, cfg)
     if kernel == "flash":
@@ -184,23 +226,24 @@ def head_activation_terms(recipe: Recipe, cfg: ModelConfig) -> tuple[int, int]:
     n = 512
     # eagle3's steps differ (its keys grow): all are measured. Other heads' steps are alike: one, times unroll.
     measured, times = (steps, 1) if recipe.head.kind == "eagle3" else (1, steps)
-    one = head_saved_bytes(recipe, cfg, [0, n], measured)
+    one, two = (head_saved_bytes(recipe, cfg, [0, m * n], measured) for m in (1, 2))
     if kernel == "chunked":
-        return times * one // n, 0
-    two = head_saved_bytes(recipe, cfg, [0, 2 * n], measured)
-    quadratic = (two - 2 * one) // (2 * n * n)
-    return times * ((one - quadratic * n * n) // n), times * quadratic
+        return times * (two - one) // n, 0
+    three = head_saved_bytes(recipe, cfg, [0, 3 * n], measured)
+    quadratic = (three - 2 * two + one) // (2 * n * n)
+    return times * ((two - one - 3 * quadratic * n * n) // n), times * quadratic
 
 
 def dflash_activation_terms(recipe: Recipe, cfg: ModelConfig) -> tuple[int, int]:
-    """What one forward of a dflash head keeps: ``(bytes per context row, bytes per block row)``, measured on the
-    meta device at one context length with two numbers of anchors (``saved = c n + b A B``, linear in both: each
-    block row's scores are made a chunk at a time, not kept)."""
+    """What one forward of a dflash head keeps: ``(bytes per context row, bytes per block row)``, at two context
+    lengths and two numbers of anchors (``saved = c0 + c n + b A B``, linear in both: each block row's scores are
+    made a chunk at a time, not kept; ``c0``: autocast's half copies of the weights, left out)."""
     n, size = 512, recipe.head.block_size
     every = head_saved_bytes(recipe, cfg, [0, n])  # n - 1 anchors
     half = head_saved_bytes(recipe, cfg, [0, n], anchors=[torch.arange((n - 1) // 2)])
+    longer = head_saved_bytes(recipe, cfg, [0, 2 * n])  # 2n - 1 anchors
     per_block_row = (every - half) // ((n - 1 - (n - 1) // 2) * size)
-    return (every - per_block_row * (n - 1) * size) // n, per_block_row
+    return (longer - every - per_block_row * n * size) // n, per_block_row
 
 
 def dflash_blocks(recipe: Recipe) -> tuple[int, int]:
@@ -217,8 +260,10 @@ def loss_copy_bytes(recipe: Recipe, cfg: ModelConfig) -> int:
     normalised rows; the vocabulary chunks' checkpoint keeps the norm's output), the teacher's rows (``exact``:
     the target's hidden; top-K: log-probs, ids and the tail), and the row's index, mask and per-row terms (24 B).
     eagle3 has no hidden term but gathers twice: the counted rows, then those its draft vocabulary holds. dflash:
-    per block position of the blocks ``dflash_blocks`` counts. A post-norm head also holds the batch's hidden
-    through the target's final norm. The vocabulary chunks' own working set is the separate ``4 x CHUNK_BYTES``
+    per block position of the blocks ``dflash_blocks`` counts. mtp and eagle also keep, from the second step on,
+    the previous step's output gathered as the step's hidden input, and a post-norm head the batch's hidden through
+    the target's final norm. Under bf16 autocast the rows are still counted at fp32 width, a bound: an mtp head's
+    normed output is fp32 (the norm's fp32 weight), others' are bf16. The vocabulary chunks' own working set is the separate ``4 x CHUNK_BYTES``
     bound."""
     tr = recipe.train
     hidden = cfg.hidden_size * 4
@@ -227,9 +272,10 @@ def loss_copy_bytes(recipe: Recipe, cfg: ModelConfig) -> int:
         return (recipe.head.block_size - 1) * dflash_blocks(recipe)[0] * (3 * hidden + teacher + 24)
     if recipe.head.kind == "eagle3":
         row, whole = 2 * hidden + 2 * teacher + 24, 0
-    else:
+    else:  # and from the second step on, the previous step's output gathered as the step's hidden input
         row = 5 * hidden + teacher + 24
-        whole = tr.batch_tokens * hidden if _plan_spec(recipe, cfg).hidden_input == "post_norm" else 0
+        whole = tr.batch_tokens * hidden * (planned_steps(recipe) - 1)
+        whole += tr.batch_tokens * hidden if _plan_spec(recipe, cfg).hidden_input == "post_norm" else 0
     return planned_steps(recipe) * tr.batch_tokens * row + whole
 
 
@@ -237,17 +283,19 @@ def train_activation_bytes(recipe: Recipe, cfg: ModelConfig) -> int:
     """What autograd keeps for ``train.unroll`` steps over ``train.batch_tokens`` tokens; with the math kernel the
     documents' squared lengths are bounded by ``batch_tokens x`` the longest document (``data.max_length``):
     ``sum L_i^2 <= max L x sum L_i``. ``chunked``: plus one chunk's scores at their peak (``ATTENTION_PEAK_BYTES``).
-    dflash: one checkpointed chunk of blocks at a time, over a context of at most the batch's tokens."""
+    dflash: one checkpointed chunk of blocks at a time, over a context of at most the batch's tokens. Under bf16
+    autocast, also its half copies of the head's weights (``autocast_weight_bytes``)."""
     tr = recipe.train
     if recipe.head.kind == "dflash":
         per_context_row, per_block_row = dflash_activation_terms(recipe, cfg)
         blocks, rows = dflash_blocks(recipe)
         rows = min(rows, blocks * recipe.head.block_size)
-        return tr.batch_tokens * per_context_row + rows * per_block_row + ATTENTION_PEAK_BYTES
+        weights = autocast_weight_bytes(recipe, cfg)
+        return tr.batch_tokens * per_context_row + rows * per_block_row + ATTENTION_PEAK_BYTES + weights
     linear, quadratic = head_activation_terms(recipe, cfg)
     longest = min(recipe.data.max_length, tr.batch_tokens)
     peak = ATTENTION_PEAK_BYTES if attention_kernel(recipe, cfg) == "chunked" else 0
-    return tr.batch_tokens * linear + quadratic * tr.batch_tokens * longest + peak
+    return tr.batch_tokens * linear + quadratic * tr.batch_tokens * longest + peak + autocast_weight_bytes(recipe, cfg)
 
 
 def frozen_bytes(cfg: ModelConfig, half_lm_head: bool = False) -> int:

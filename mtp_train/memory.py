@@ -12,8 +12,8 @@ which refuses a plan that does not fit, as training on a GPU does at its start: 
 - **train**: the frozen embedding, final norm and lm_head (fp32), and the lm_head's bf16 copy under bf16; the head's
   weights and gradients (fp32) and AdamW's two moments, partitioned over the ranks under DeepSpeed ZeRO; the batch's
   features; the activations that autograd keeps for ``train.unroll`` steps over ``train.batch_tokens`` tokens (a
-  dflash head: one checkpointed chunk of blocks), **measured** on the meta device with the attention kernel the
-  trainer runs on a GPU (``mtp_train.head_memory.attention_kernel``); and the loss: the labelled rows it gathers and
+  dflash head: one checkpointed chunk of blocks), **measured** without memory or arithmetic in the dtype the
+  trainer's autocast computes in (``mtp_train.head_memory.counting``), with the attention kernel the trainer runs on a GPU (``mtp_train.head_memory.attention_kernel``); and the loss: the labelled rows it gathers and
   keeps until backward, and the chunked vocabulary terms' bound. Online (``precompute.mode: online``) the train
   stage also holds the precompute stage's weights, scoring activations and buffers, and a KV cache for one scoring
   forward; precompute then holds nothing on the GPU unless it regenerates answers.
@@ -285,8 +285,8 @@ def _train_plan(cfg: ModelConfig, recipe: Recipe, gpu_bytes: int, scoring: int) 
     parts = {"frozen": frozen, "head+grads+AdamW": head_params * 4 + grads + head_params * 8 // zero,
              "features": features, "activations": train_activation_bytes(recipe, cfg),
              "loss": loss_copy_bytes(recipe, cfg) + 4 * CHUNK_BYTES}
-    note = (f"{_steps(recipe)} (fp32 activations{'; bf16 autocast keeps less' if tr.mixed_precision != 'no' else ''}"
-            f"{scores}), AdamW over {zero} rank(s){'; the lm_head also in bf16' if bf16 else ''}")
+    note = (f"{_steps(recipe)} ({'bf16 autocast' if bf16 else 'fp32'} activations{scores}), AdamW over {zero} "
+            f"rank(s){'; the lm_head also in bf16' if bf16 else ''}")
     if recipe.precompute.mode == "online":  # the target beside the head, its KV sized for one scoring forward
         itemsize = _dtype_bytes(t.dtype)
         online_kv = 2 * recipe.precompute.batch_tokens * kv_bytes_per_token(cfg, t.tp, itemsize)

@@ -200,3 +200,31 @@ def test_a_node_without_nvcc_falls_back_to_torch_on_auto_and_refuses_flashinfer(
     line = "runtime: flashinfer could not build its kernels (RuntimeError: " + why + "), so attention uses the torch backend"
     assert capsys.readouterr().err.strip().splitlines() == [line]
     assert "\n" not in str(refused.value) and "nvcc" in str(refused.value)
+
+
+def test_a_windowed_tree_step_on_flashinfer_attends_as_the_torch_backend(monkeypatch):
+    """A draft's window under a branching tree: a node's window counts from its position (its depth in the tree),
+    not its slot, while FlashInfer's ``window_left`` counts from slots; the tree's window therefore goes into its
+    mask, and FlashInfer's rows equal the torch backend's. (A chain cannot tell the two apart: its slots are its
+    depths.)"""
+    from mtp_train.runtime.attention import TorchAttention
+    from mtp_train.runtime.flashinfer_backend import FlashInferAttention
+
+    window, heads, kv_heads, dim, page = 6, 4, 2, 32, 4
+    bits = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)  # a root, two
+    depths, cached = [0, 1, 1, 2], [20, 13]  # children, a grandchild under the second; two sequences' contexts
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(8, h, dim, generator=g) for h in (heads, kv_heads, kv_heads))
+    k_cache, v_cache = (torch.randn(16, page, kv_heads, dim, generator=g) for _ in range(2))
+    rows = {}
+    with fake_cuda(monkeypatch):
+        flashinfer_066.install(monkeypatch)
+        dev = torch.device("cuda")
+        positions = torch.tensor([c + d for c in cached for d in depths], device=dev)
+        meta = build_batch([list(range(4))] * 2, cached, [list(range(8)), list(range(8, 16))], page, dev,
+                           positions=positions, tree=TreeMask(cached, [bits.to(dev)] * 2))
+        for name, backend in (("torch", TorchAttention(window)), ("flashinfer", FlashInferAttention(dev, window))):
+            caches = [c.to(dev, torch.bfloat16) for c in (k_cache, v_cache)]
+            step = backend.plan(meta, heads, kv_heads, dim)
+            rows[name] = step.attend(*(t.to(dev, torch.bfloat16) for t in (q, k, v)), *caches).float().cpu()
+    assert (rows["flashinfer"] - rows["torch"]).abs().max() < 2e-2

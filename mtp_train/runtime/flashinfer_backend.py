@@ -46,13 +46,14 @@ class FlashInferStep:
             head_dim,
             meta.page_size,
             causal=causal and not tree,
-            window_left=-1 if backend.sliding_window is None else backend.sliding_window - 1,
+            # a tree's window is in its mask: FlashInfer's window_left counts from slots, a tree node's from depth
+            window_left=-1 if backend.sliding_window is None or tree else backend.sliding_window - 1,
             q_data_type=backend.dtype,
             kv_data_type=backend.dtype,
             seq_lens=meta.host_kv_lens,  # pinned: plan copies the lengths to the GPU without waiting for it
         )
         if tree:
-            _set_mask(self.wrapper, *packed_mask(meta))
+            _set_mask(self.wrapper, *packed_mask(meta, backend.sliding_window))
         self.batch_indices, self.positions = flashinfer.get_batch_indices_positions(
             meta.qo_indptr, meta.kv_lens, meta.tokens.numel()
         )
@@ -87,13 +88,16 @@ def _set_mask(wrapper, packed: torch.Tensor, byte_indptr: torch.Tensor) -> None:
     wrapper._custom_mask_buf, wrapper._mask_indptr_buf = packed, byte_indptr
 
 
-def packed_mask(meta: BatchMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+def packed_mask(meta: BatchMetadata, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A tree step's attention mask as FlashInfer's kernel reads it, built on the device without a host sync.
 
     Sequence b's mask is ``[q_b, kv_b]`` (query i sees the context before ``prefix[b]``, then what ``bits[b][i]``
     names), flattened row-major and packed 8 bits to a byte, least significant first; each sequence starts at a
-    byte of its own. Returns the packed mask ``[sum ceil(q_b kv_b / 8)]`` uint8 and its byte offsets ``[B+1]``
-    int32, both on the device. The sizes come from the host arrays; the bits never leave the device.
+    byte of its own. With a ``window`` (a draft's ``head.window``) query i sees only the context above its
+    position (``positions``: its depth in the tree, not its slot) minus the window, as the torch backend and
+    training do; the tree's own keys lie within it (a window exceeds the tree's depth). Returns the packed mask
+    ``[sum ceil(q_b kv_b / 8)]`` uint8 and its byte offsets ``[B+1]`` int32, both on the device. The sizes come
+    from the host arrays; the bits never leave the device.
     """
     tree = meta.tree
     assert tree is not None
@@ -107,9 +111,9 @@ def packed_mask(meta: BatchMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     indptr = torch.zeros(b + 1, dtype=torch.int64)
     indptr[1:] = torch.cumsum(nbytes, 0)
     host = torch.cat([_exclusive(nbits), indptr[:-1], _exclusive(q_lens * span), kv_lens, prefix, span, nbits, nbytes,
-                      indptr])
+                      meta.host_qo_indptr[:-1].long(), indptr])
     moved = to_device(host, dev)  # one copy of every size
-    bit_start, byte_start, bits_start, kv, pre, cols, length, count = moved[: 8 * b].view(8, b).unbind(0)
+    bit_start, byte_start, bits_start, kv, pre, cols, length, count, first_query = moved[: 9 * b].view(9, b).unbind(0)
     total = int(indptr[-1])
     seq = torch.repeat_interleave(torch.arange(b, device=dev), count, output_size=total)  # [N] each byte's sequence
     first_bit = bit_start[seq] + 8 * (torch.arange(total, device=dev) - byte_start[seq])
@@ -122,9 +126,13 @@ def packed_mask(meta: BatchMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         row, col = local // kv[seq], local % kv[seq]
         inside = col >= pre[seq]
         at = (bits_start[seq] + row * cols[seq] + col - pre[seq]).clamp(0, bits.numel() - 1)
-        on = (flat < end_bit) & (~inside | bits[at])
+        context = ~inside
+        if window is not None:  # (a padding bit's row runs past its sequence: clamped, and cut by end_bit)
+            query = (first_query[seq] + row).clamp(0, meta.positions.numel() - 1)
+            context &= col > meta.positions[query] - window
+        on = (flat < end_bit) & (context | (inside & bits[at]))
         packed |= on.to(torch.uint8) << shift
-    return packed, moved[8 * b :].to(torch.int32)
+    return packed, moved[9 * b :].to(torch.int32)
 
 
 def _exclusive(sizes: torch.Tensor) -> torch.Tensor:
@@ -135,7 +143,8 @@ def _exclusive(sizes: torch.Tensor) -> torch.Tensor:
 def load_kernels(device: torch.device, dtype: torch.dtype, head_dim: int, sliding_window: int | None) -> None:
     """Build, or load where they are prebuilt, the kernels this backend plans for ``head_dim`` heads in ``dtype``:
     the paged prefill module ``auto`` picks on ``device`` (fa3 on Hopper: causal steps and DFlash's non-causal
-    block), fa2's (tree masks) and the paged-append module. flashinfer 0.6.6 compiles a module with nvcc at its
+    block; with a sliding window, its variant), fa2's (tree masks, a window among them) and the paged-append
+    module. flashinfer 0.6.6 compiles a module with nvcc at its
     first use, into ``~/.cache/flashinfer``, unless its ``data/aot`` folder holds it (``bench/flashinfer_aot.sh``);
     this raises whatever that build raises (no nvcc on the node, a failed compile)."""
     from flashinfer.page import get_page_module
@@ -143,9 +152,9 @@ def load_kernels(device: torch.device, dtype: torch.dtype, head_dim: int, slidin
     from flashinfer.utils import determine_attention_backend
 
     auto = determine_attention_backend(device, 0, False, False, dtype, dtype)
-    args = (dtype, dtype, dtype, torch.int32, head_dim, head_dim, 0, sliding_window is not None, False, False)
-    for backend in dict.fromkeys((auto, "fa2")):
-        get_batch_prefill_module(backend, *args)
+    # (the module's sliding-window flag: fa2 plans trees, whose window is in the mask, with none)
+    for backend, window in dict.fromkeys(((auto, sliding_window is not None), ("fa2", False))):
+        get_batch_prefill_module(backend, dtype, dtype, dtype, torch.int32, head_dim, head_dim, 0, window, False, False)
     get_page_module()
 
 
