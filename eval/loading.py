@@ -210,9 +210,10 @@ def load_other(recipe: Recipe, cfg: ModelConfig, name: str):
         return BigramDrafter.from_tokens(tokens, cfg.vocab_size)
     if name == "target_mtp":
         return target_mtp(recipe, cfg)
-    root = recipe.head_dir(name)
+    root = recipe.draft_dir(name)
     if not (root / "model.safetensors").is_file():
-        raise UserError(f"eval.compare: no trained {name!r} head in {root}; run `mtp-train train` with it first")
+        raise UserError(f"eval.compare: no {name!r} head in {root}; run `mtp-train train` with it (an imported one: "
+                        "`mtp-train import`) first")
     return load_trained_head(root, recipe.target.path, cfg)
 
 

@@ -79,7 +79,11 @@ def _compare_id(recipe: Recipe, name: str) -> str:
         return "bigram:" + (text_fingerprint(manifest.read_text()) if manifest.is_file() else "no features")
     if name == "target_mtp":  # part of the target, whose fingerprint the eval's already holds
         return "target_mtp"
-    return _head_id(recipe.head_dir(name), "eval.compare")
+    root = recipe.draft_dir(name)
+    if name.startswith("imported/") and not (root / "model.safetensors").is_file():
+        raise UserError(f"eval.compare: no {name!r} head in {root}; run `mtp-train import RECIPE SRC_DIR --name "
+                        f"{name.removeprefix('imported/')}` first")
+    return _head_id(root, "eval.compare")
 
 
 def _draft_id(recipe: Recipe) -> str:

@@ -20,6 +20,7 @@ mtp-train verify FEATURES_DIR                               check every shard's 
 mtp-train precompute RECIPE.yaml [--overwrite] [--rank R --world-size W]
 mtp-train {eval,report} RECIPE.yaml [--baseline OLD/report.json]
 mtp-train export RECIPE.yaml --format {vllm,sglang,speculators} [--out DIR]
+mtp-train import RECIPE.yaml SRC_DIR [KEY.PATH=VALUE ...] [--layout {speculators,vllm,sglang,eagle}] [--name NAME]
 mtp-train slurm RECIPE.yaml [KEY.PATH=VALUE ...] [--nodes N --gpus-per-node G --cpu ...] [--dry-run] [--wait]"""
 
 DESCRIPTION = """\
@@ -32,6 +33,8 @@ stages:
   eval        speculative decoding with the head: acceptance, speedup, lossless check
   report      write the JSON, Markdown and HTML release report
   export      write the trained head in a serving engine's format (--format vllm|sglang|speculators)
+  import      read a head another trainer wrote (speculators, vLLM, SGLang/SpecForge, EAGLE) for the recipe's
+              target, into OUTPUT_DIR/imported/NAME
   verify      check a features directory against its manifest
   slurm       render the sbatch scripts for a recipe and submit them as a chain (slurm --help)
 
@@ -75,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--format", dest="export_format", required=True, choices=("vllm", "sglang", "speculators"),
                            help="the serving engine whose format to write")
             p.add_argument("--out", type=Path, help="output directory (default: OUTPUT_DIR/export/KIND-FORMAT)")
+    imp = sub.add_parser("import", help=argparse.SUPPRESS)
+    imp.add_argument("recipe", type=Path, metavar="RECIPE.yaml", help="the recipe (its target and output_dir)")
+    imp.add_argument("source", type=Path, metavar="SRC_DIR", help="the head's directory (config.json and weights)")
+    imp.add_argument("overrides", nargs="*", metavar="KEY.PATH=VALUE", help="override recipe fields")
+    imp.add_argument("--layout", choices=("speculators", "vllm", "sglang", "eagle"),
+                     help="the engine the file was written for, where its config cannot tell")
+    imp.add_argument("--name", help="the imported head's name (default: SRC_DIR's)")
     verify = sub.add_parser("verify", help=argparse.SUPPRESS)
     verify.add_argument("features_dir", type=Path, metavar="FEATURES_DIR")
     _add_slurm_parser(sub)
@@ -121,6 +131,8 @@ def _dispatch(args: argparse.Namespace) -> int:
 
     if args.command == "verify":
         return _verify(args.features_dir)
+    if args.command == "import":
+        return _import(args)
 
     recipe = load_recipe(args.recipe, args.overrides)
     check_inputs(recipe)
@@ -173,6 +185,15 @@ def _slurm(args: argparse.Namespace, recipe) -> int:
     return run_slurm(args.recipe, args.overrides, recipe, opts, args.dry_run, args.wait)
 
 
+def _import(args: argparse.Namespace) -> int:
+    from mtp_train.importer import import_recipe_head
+    from mtp_train.recipe import load_recipe
+
+    out = import_recipe_head(load_recipe(args.recipe, args.overrides), args.source, args.layout, args.name)
+    print(f"import: {out}")
+    return 0
+
+
 def _verify(root: Path) -> int:
     from mtp_train.features.verify import verify
 
@@ -193,7 +214,7 @@ def _verify(root: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     positionals = [a for a in argv if not a.startswith("-")]
-    if positionals and positionals[0] not in (*RECIPE_STAGES, "verify", "slurm"):
+    if positionals and positionals[0] not in (*RECIPE_STAGES, "verify", "slurm", "import"):
         argv.insert(0, "run")
     parser = build_parser()
     # Overrides may follow flags (`RECIPE --dry-run a.b=c`), which argparse's

@@ -74,6 +74,9 @@ def export_head(recipe: Recipe, fmt: str, out: Path | None = None) -> Path:
     spec = head.spec
     check_format(spec.kind, target.family, fmt, root, spec.num_layers, spec.parallel_drafts, spec.window)
     _check_servable(spec.kind, spec.choices, target.family, "vllm" if fmt == "speculators" else fmt, root)
+    if fmt == "sglang" and spec.norm_before_residual:
+        raise UserError(f"--format sglang: {root} is an eagle3 head with norm_before_residual, which SGLang 0.5.23 "
+                        "does not read (vLLM does); export it with --format vllm or speculators")
 
     out = out or recipe.export_dir(fmt)
     tmp = fresh_dir(out.with_name(f".{out.name}.tmp"))
@@ -158,7 +161,7 @@ def _config(target_config: dict, spec, fmt: str, trained: dict, target_path: str
     if spec.kind == "eagle3":
         config = eagle3_config(config, target_path, list(spec.aux_layers), _default_aux(spec.target),
                                spec.draft_vocab, fmt, spec.fc_norm, spec.norm_output, spec.parallel_drafts,
-                               spec.mask_token_id)
+                               spec.mask_token_id, spec.norm_before_fc, spec.norm_before_residual)
     elif spec.kind == "dflash":
         config = dflash_config(spec)
     elif spec.kind == "mtp":  # the target's config, its layers kept: the MTP layer is found at index num_hidden_layers

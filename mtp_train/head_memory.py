@@ -103,7 +103,8 @@ def _flash_saved_bytes(recipe: Recipe, cfg: ModelConfig, tokens: int) -> int:
         embeds, hidden = torch.empty(tokens, cfg.hidden_size), torch.empty(tokens, cfg.hidden_size)
         pack, held = saved_storages(list(head.parameters()))
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = head.run(embeds, hidden, torch.arange(tokens), _FlashLikeAttention(), [(None, None)] * len(head.layers))
+            out = head.run(embeds, hidden, torch.arange(tokens), _FlashLikeAttention(),
+                           [(None, None)] * len(head.layers))
         saved = held()
         del out
     return saved
@@ -263,8 +264,8 @@ def loss_copy_bytes(recipe: Recipe, cfg: ModelConfig) -> int:
     per block position of the blocks ``dflash_blocks`` counts. mtp and eagle also keep, from the second step on,
     the previous step's output gathered as the step's hidden input, and a post-norm head the batch's hidden through
     the target's final norm. Under bf16 autocast the rows are still counted at fp32 width, a bound: an mtp head's
-    normed output is fp32 (the norm's fp32 weight), others' are bf16. The vocabulary chunks' own working set is the separate ``4 x CHUNK_BYTES``
-    bound."""
+    normed output is fp32 (the norm's fp32 weight), others' are bf16. The vocabulary chunks' own working set is the
+    separate ``4 x CHUNK_BYTES`` bound."""
     tr = recipe.train
     hidden = cfg.hidden_size * 4
     teacher = hidden if tr.teacher == "exact" else recipe.precompute.topk * 12 + 4

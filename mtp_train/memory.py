@@ -13,7 +13,8 @@ which refuses a plan that does not fit, as training on a GPU does at its start: 
   weights and gradients (fp32) and AdamW's two moments, partitioned over the ranks under DeepSpeed ZeRO; the batch's
   features; the activations that autograd keeps for ``train.unroll`` steps over ``train.batch_tokens`` tokens (a
   dflash head: one checkpointed chunk of blocks), **measured** without memory or arithmetic in the dtype the
-  trainer's autocast computes in (``mtp_train.head_memory.counting``), with the attention kernel the trainer runs on a GPU (``mtp_train.head_memory.attention_kernel``); and the loss: the labelled rows it gathers and
+  trainer's autocast computes in (``mtp_train.head_memory.counting``), with the attention kernel the trainer runs
+  on a GPU (``mtp_train.head_memory.attention_kernel``); and the loss: the labelled rows it gathers and
   keeps until backward, and the chunked vocabulary terms' bound. Online (``precompute.mode: online``) the train
   stage also holds the precompute stage's weights, scoring activations and buffers, and a KV cache for one scoring
   forward; precompute then holds nothing on the GPU unless it regenerates answers.
@@ -25,6 +26,7 @@ which refuses a plan that does not fit, as training on a GPU does at its start: 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 
@@ -205,7 +207,16 @@ def eval_heads(recipe: Recipe) -> list[str]:
     """The head kinds the eval drafts with: its own head (unless it drafts with a draft model or the target's own
     MTP layer) and the ``eval.compare`` heads (the bigram has no head)."""
     own = [recipe.head.kind] if recipe.eval.draft_model is None and recipe.eval.draft == "head" else []
-    return own + [k for k in recipe.eval.compare if k not in ("bigram", "target_mtp")]
+    return own + [_imported_kind(recipe, k) if k.startswith("imported/") else k for k in recipe.eval.compare
+                  if k not in ("bigram", "target_mtp")]
+
+
+def _imported_kind(recipe: Recipe, name: str) -> str:
+    """An imported head's kind, from its config once imported (planned as an eagle3 head, the largest, before)."""
+    try:
+        return json.loads((recipe.draft_dir(name) / "config.json").read_text(encoding="utf-8"))["kind"]
+    except (OSError, ValueError, KeyError):
+        return "eagle3"
 
 
 def flashinfer_backends(recipe: Recipe, cfg: ModelConfig, engines: int) -> int:

@@ -255,6 +255,10 @@ class Recipe(Section):
         """The trained head of ``kind`` (the recipe's ``head.kind`` by default)."""
         return self.output_dir / "heads" / (kind or self.head.kind)
 
+    def draft_dir(self, name: str) -> Path:
+        """An ``eval.compare`` head's directory: ``imported/NAME`` is ``mtp-train import``'s, a kind is trained."""
+        return self.output_dir / name if name.startswith("imported/") else self.head_dir(name)
+
     @property
     def checkpoints_dir(self) -> Path:
         return self.output_dir / "checkpoints" / self.head.kind

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import Field, NonNegativeFloat, PositiveInt, model_validator
+from pydantic import Field, NonNegativeFloat, PositiveInt, field_validator, model_validator
 
 from mtp_train.recipe_types import PROMPT_SETS, RecipePath, Section
 
@@ -25,6 +26,10 @@ class TreeConfig(Section):
         if not 2 <= self.draft_tokens <= most:
             raise ValueError(f"draft_tokens must be 2..{most} for topk {self.topk} and depth {self.depth}")
         return self
+
+
+COMPARE_DRAFTS = ("mtp", "eagle", "eagle3", "dflash", "bigram", "target_mtp")
+IMPORTED_NAME = re.compile(r"imported/[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 class EvalConfig(Section):
@@ -54,11 +59,21 @@ class EvalConfig(Section):
         "their lm_head is those N rows of the frozen one, so a draft step reads N rows instead of the vocabulary's "
         "(verification, and so the output, is unchanged). Null: the full vocabulary.",
     )
-    compare: list[Literal["mtp", "eagle", "eagle3", "dflash", "bigram", "target_mtp"]] = Field(
+    compare: list[str] = Field(
         [], description="Other drafts decoded on the same prompts for comparison: head kinds (trained by the "
-        "`train` stage beside `head.kind`), `bigram`, each token's most frequent successor in the features, and "
-        "`target_mtp`, the target checkpoint's own MTP layer.",
+        "`train` stage beside `head.kind`), `bigram`, each token's most frequent successor in the features, "
+        "`target_mtp`, the target checkpoint's own MTP layer, and `imported/NAME`, a head another trainer wrote, "
+        "read by `mtp-train import` into `OUTPUT_DIR/imported/NAME`.",
     )
+    @field_validator("compare")
+    @classmethod
+    def _drafts(cls, names: list[str]) -> list[str]:
+        for name in names:
+            if name not in COMPARE_DRAFTS and not IMPORTED_NAME.fullmatch(name):
+                raise ValueError(f"{name!r} is not a draft: choose {', '.join(COMPARE_DRAFTS)} or imported/NAME "
+                                 "(a head `mtp-train import` wrote)")
+        return names
+
     val_tolerance: NonNegativeFloat = Field(
         0.02, description="Largest relative gap between the runtime's and the trainer's validation loss (and "
         "absolute gap in top-1) before the report flags an implementation mismatch.",

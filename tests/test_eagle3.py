@@ -137,6 +137,8 @@ def test_an_eagle3_head_exports_in_the_engines_layout(eagle3_run, tmp_path, fmt)
         # not the default [2, 2, 1]: written, in each engine's numbering (SGLang's Llama adds 1)
         want_ids = [1, 2, 3] if fmt == "vllm" else [0, 1, 2]
         assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == want_ids
+        # vLLM's also at the top level, which only vLLM reads (and prefers): the file says which engine it is for
+        assert config.get("eagle_aux_hidden_state_layer_ids") == ([1, 2, 3] if fmt == "vllm" else None)
     if fmt == "sglang":
         assert "--speculative-algorithm EAGLE3" in (out / "README.md").read_text()
 

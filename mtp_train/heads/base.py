@@ -57,6 +57,8 @@ class HeadSpec:
     fc_norm: bool = False  # eagle3 (EAGLE 3.1): an RMSNorm per aux layer's state before fc
     parallel_drafts: int = 0  # eagle3 (P-EAGLE): tokens drafted in one forward, the last row and masks (0: a chain)
     window: int = 0  # head.window: a query at position p sees keys at positions above p - window only (0: all)
+    norm_before_fc: bool = False  # eagle3 (vLLM, speculators): one RMSNorm over the aux concatenation before fc
+    norm_before_residual: bool = False  # eagle3 (vLLM, speculators): the residual is the hidden input after hidden_norm
 
     @property
     def norm_output(self) -> bool:
@@ -81,7 +83,8 @@ class HeadSpec:
             return self.choices.describe()
         drafting = (f"drafts up to {self.parallel_drafts} tokens in one forward (P-EAGLE)" if self.parallel_drafts
                     else f"feeds back {self.choices.fed}")
-        return (f"reads fc of the target's {'per-layer normed ' if self.fc_norm else ''}states entering layers "
+        normed = "per-layer normed " if self.fc_norm else "normed " if self.norm_before_fc else ""
+        return (f"reads fc of the target's {normed}states entering layers "
                 f"{list(self.aux_layers)}, {drafting}, drafts from {self.draft_vocab:,} of the "
                 f"{self.target.vocab_size:,} ids")
 
@@ -97,7 +100,8 @@ class HeadSpec:
                        tuple(int(i) for i in data.get("aux_layers", ())), int(data.get("draft_vocab", 0)),
                        int(data.get("block_size", 0)), int(data.get("mask_token_id", -1)),
                        bool(data.get("fc_norm", False)), int(data.get("parallel_drafts", 0)),
-                       int(data.get("window", 0)))
+                       int(data.get("window", 0)), bool(data.get("norm_before_fc", False)),
+                       bool(data.get("norm_before_residual", False)))
         except KeyError as e:
             raise UserError(f"{source}: not a head config (no {e.args[0]!r} field)") from None
         except (TypeError, ValueError) as e:
@@ -163,9 +167,10 @@ class DraftHead(nn.Module):
 def head_spec(kind: str, num_layers: int, target: ModelConfig, fingerprint: str,
               convention: str = "native", aux_layers: tuple[int, ...] = (), draft_vocab: int = 0,
               block_size: int = 0, mask_token_id: int = -1, fc_norm: bool = False,
-              norm_output: bool = False, parallel_drafts: int = 0, window: int = 0) -> HeadSpec:
-    """``aux_layers``: an eagle3 or dflash head's; ``draft_vocab``, ``fc_norm``, ``norm_output`` and
-    ``parallel_drafts`` an eagle3 head's (``norm_output``: its feedback is ``head_norm``); ``block_size`` a dflash
+              norm_output: bool = False, parallel_drafts: int = 0, window: int = 0, norm_before_fc: bool = False,
+              norm_before_residual: bool = False) -> HeadSpec:
+    """``aux_layers``: an eagle3 or dflash head's; ``draft_vocab``, ``fc_norm``, ``norm_output``,
+    ``parallel_drafts``, ``norm_before_fc`` and ``norm_before_residual`` an eagle3 head's (``norm_output``: its feedback is ``head_norm``); ``block_size`` a dflash
     head's, ``mask_token_id`` a dflash or P-EAGLE head's (each ignored by the other kinds); ``window`` any head's
     (``head.window``, 0: full attention)."""
     if kind not in HEADS:
@@ -179,7 +184,8 @@ def head_spec(kind: str, num_layers: int, target: ModelConfig, fingerprint: str,
                     convention, target.is_moe_layer(target.num_layers) and not aux,
                     tuple(aux_layers) if aux else (), draft_vocab if eagle3 else 0,
                     block_size if dflash else 0, mask_token_id if dflash or (eagle3 and parallel_drafts) else -1,
-                    fc_norm and eagle3, parallel_drafts if eagle3 else 0, window)
+                    fc_norm and eagle3, parallel_drafts if eagle3 else 0, window, norm_before_fc and eagle3,
+                    norm_before_residual and eagle3)
 
 
 def build_head(spec: HeadSpec) -> DraftHead:

@@ -12,6 +12,10 @@ each aux layer's state an RMSNorm of its own before ``fc`` (``fc_norm.{0,1,2}``,
 feeds back the output after the final ``norm`` (what the logits read) instead of before it: the spec's ``feedback:
 head_norm``, which ``DraftHead.feedback_state`` applies through ``lm_head_input``.
 
+vLLM's and speculators' two more (``spec.norm_before_fc``, ``spec.norm_before_residual``, speculators' defaults): one
+RMSNorm over the whole aux concatenation before ``fc`` (``input_norm [3H]``, before any ``fc_norm``), and the
+decoder layer's residual taken after ``hidden_norm`` instead of before it.
+
 P-EAGLE (``spec.parallel_drafts`` = K, vLLM's ``parallel_drafting``): K - 1 mask positions follow the last
 verified position's row in the same forward, each reading the frozen embedding of ``mask_token_id`` and ``fc`` of a
 trained ``mask_hidden [3H]`` (vLLM's name and place: the aux concatenation the target's states would fill), so that
@@ -67,6 +71,8 @@ class Eagle3Head(DraftHead):
         self.fc = Linear(len(spec.aux_layers) * h, h, bias=False)
         if spec.fc_norm:  # EAGLE 3.1: one norm per aux layer's state, so that each enters fc at one scale
             self.fc_norm = nn.ModuleList(RMSNorm(h, cfg.rms_norm_eps) for _ in spec.aux_layers)
+        if spec.norm_before_fc:  # one norm over the concatenation, as vLLM's ``input_norm``
+            self.input_norm = RMSNorm(len(spec.aux_layers) * h, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         attn = self.layers[0].attention
         attn.wqkv = Linear(2 * h, attn.wqkv.out_features, bias=cfg.qkv_bias)  # reads [embed | hidden], 2H
@@ -78,7 +84,9 @@ class Eagle3Head(DraftHead):
 
     def project(self, aux: torch.Tensor) -> torch.Tensor:
         """The target's states at the aux layers, concatenated ``[T, 3H]`` -> ``g [T, H]`` (with ``fc_norm``: each
-        ``[T, H]`` part normed by its own norm first)."""
+        ``[T, H]`` part normed by its own norm first; with ``norm_before_fc``, the whole normed before that)."""
+        if self.spec.norm_before_fc:
+            aux = self.input_norm(aux)
         if self.spec.fc_norm:
             parts = aux.chunk(len(self.fc_norm), dim=-1)
             aux = torch.cat([norm(part) for norm, part in zip(self.fc_norm, parts, strict=True)], dim=-1)
@@ -100,8 +108,10 @@ class Eagle3Head(DraftHead):
         """``embeds [T, H]`` and ``hidden [T, H]`` (``project``'s output, or a fed-back state) -> output ``[T, H]``."""
         layer = self.layers[0]
         cos_sin = self.rope.cos_sin(positions, hidden.dtype)
-        x = torch.cat([layer.attention_norm(embeds), self.hidden_norm(hidden)], dim=-1)
-        h = hidden + layer.attention(x, cos_sin, plan, kv[0])
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.spec.norm_before_residual else hidden
+        x = torch.cat([layer.attention_norm(embeds), normed], dim=-1)
+        h = residual + layer.attention(x, cos_sin, plan, kv[0])
         return h + layer.feed_forward(layer.ffn_norm(h))
 
     def lm_head_input(self, out: torch.Tensor) -> torch.Tensor:

@@ -38,17 +38,20 @@ def to_eagle3(tensors: dict[str, torch.Tensor], vocab_size: int, layer: str = "m
 
 def eagle3_config(target_config: dict, verifier: str, aux_layers: list[int], default_aux: list[int],
                   draft_vocab: int, fmt: str, fc_norm: bool = False, norm_output: bool = False,
-                  parallel_drafts: int = 0, mask_token_id: int = -1) -> dict:
+                  parallel_drafts: int = 0, mask_token_id: int = -1, norm_before_fc: bool = False,
+                  norm_before_residual: bool = False) -> dict:
     """``config.json`` for ``fmt`` (``vllm``, ``sglang`` or ``speculators``) from the target's (DROPPED_KEYS removed);
     ``verifier``: the target as speculators names it (its path or hub id); ``fc_norm``, ``norm_output``: the head's
-    EAGLE 3.1 options, written as those keys (vLLM and SGLang read them off the config with false as default).
+    EAGLE 3.1 options, ``norm_before_fc``, ``norm_before_residual`` vLLM's and speculators' two more, written as those
+    keys (vLLM and SGLang read them off the config with false as default).
     ``parallel_drafts`` (P-EAGLE): speculators' ``peagle`` type with its ``mask_token_id``, which vLLM serves as
     eagle3 with ``parallel_drafting`` (its ``mask_hidden`` tensor beside the weights); vLLM's own format writes
     ``mask_token_id`` (read as the parallel-drafting token) and ``parallel_drafting: true`` (a note for whoever
     serves it: vLLM takes it from the speculative config, not from here).
 
     Aux ids are written only when they are not the engines' default, in the numbering each engine reads: vLLM and
-    speculators take them as given (the input of block k), SGLang's Llama adds 1 (EXPORT.md 3.4).
+    speculators take them as given (the input of block k), SGLang's Llama adds 1 (EXPORT.md 3.4). vLLM's format has
+    them at the top level too, which vLLM prefers and SGLang does not read: an importer can tell the two apart.
     """
     layer = {**target_config, "num_hidden_layers": 1, "tie_word_embeddings": False, "torch_dtype": "float32"}
     layer.pop("dtype", None)
@@ -60,8 +63,9 @@ def eagle3_config(target_config: dict, verifier: str, aux_layers: list[int], def
         return {"speculators_model_type": "peagle" if parallel_drafts else "eagle3",
                 "architectures": ["PEagleSpeculator" if parallel_drafts else "Eagle3Speculator"], **peagle,
                 "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": layer,
-                "draft_vocab_size": draft_vocab, "target_hidden_size": None, "norm_before_residual": False,
-                "norm_before_fc": False, "fc_norm": fc_norm, "norm_output": norm_output,
+                "draft_vocab_size": draft_vocab, "target_hidden_size": None,
+                "norm_before_residual": norm_before_residual, "norm_before_fc": norm_before_fc, "fc_norm": fc_norm,
+                "norm_output": norm_output,
                 "eagle_aux_hidden_state_layer_ids": list(aux_layers),
                 "speculators_config": {"algorithm": "peagle" if parallel_drafts else "eagle3",
                                        "default_proposal_method": "greedy",
@@ -69,9 +73,13 @@ def eagle3_config(target_config: dict, verifier: str, aux_layers: list[int], def
                                                              "speculative_tokens": parallel_drafts or 3}],
                                        "verifier": verifier_entry}}
     eagle = {"use_aux_hidden_state": True}
+    top = {}
     if custom:
         eagle["eagle_aux_hidden_state_layer_ids"] = [k - 1 for k in aux_layers] if fmt == "sglang" else list(aux_layers)
+        if fmt == "vllm":  # also at the top level, which vLLM prefers and which only vLLM reads: the file says whose
+            top["eagle_aux_hidden_state_layer_ids"] = list(aux_layers)
     parallel = {"mask_token_id": mask_token_id, "parallel_drafting": True} if parallel_drafts else {}
     return {**layer, "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "draft_vocab_size": draft_vocab,
-            "norm_before_residual": False, "fc_norm": fc_norm, "norm_output": norm_output, "eagle_config": eagle,
+            "norm_before_residual": norm_before_residual, "norm_before_fc": norm_before_fc, "fc_norm": fc_norm,
+            "norm_output": norm_output, "eagle_config": eagle, **top,
             **parallel}
