@@ -52,6 +52,7 @@ from mtp_train.runtime.drafters import Drafter, HeadDrafter
 from mtp_train.runtime.speculative import SpeculativeDecoder
 from mtp_train.runtime.tree import TreeShape
 from mtp_train.runtime.tree_decoder import TreeDecoder
+from mtp_train.train.checkpoint import head_identity
 from mtp_train.threads import set_threads, warn_if_oversubscribed
 from mtp_train.features.manifest import target_fingerprint, text_fingerprint
 
@@ -67,10 +68,9 @@ def _fingerprint(recipe: Recipe, draft_id: str) -> str:
 
 def _head_id(root: Path, what: str) -> str:
     """A trained head's identity: its config (training fingerprint, final metrics) and weight file size."""
-    weights, config = root / "model.safetensors", root / "config.json"
-    if not weights.is_file() or not config.is_file():
+    if not (root / "model.safetensors").is_file() or not (root / "config.json").is_file():
         raise UserError(f"{what}: no trained head in {root}; run `mtp-train train` first")
-    return "head:" + text_fingerprint(config.read_text(errors="replace")) + str(weights.stat().st_size)
+    return head_identity(root)
 
 
 def _compare_id(recipe: Recipe, name: str) -> str:

@@ -42,7 +42,11 @@ def _train(recipe: Recipe, **options) -> None:
 
 
 def _with_head(recipe: Recipe, kind: str) -> Recipe:
-    return recipe.model_copy(update={"head": recipe.head.model_copy(update={"kind": kind})})
+    """The recipe training its ``kind`` head: an ``eval.compare`` kind starts fresh (``head.init_from`` is the recipe's
+    own head's start)."""
+    if kind == recipe.head.kind:
+        return recipe
+    return recipe.model_copy(update={"head": recipe.head.model_copy(update={"kind": kind, "init_from": None})})
 
 
 def _aux_kinds(recipe: Recipe) -> str:

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, NonNegativeInt, PositiveInt
 
-from mtp_train.recipe_types import Section
+from mtp_train.recipe_types import RecipePath, Section
 
 
 class HeadConfig(Section):
@@ -65,6 +65,13 @@ class HeadConfig(Section):
         "blocks; its KV pages below the window are given back) and in the export, so that a draft's cost stays flat "
         "as prompts grow. It must exceed the drafts (`eval.k`, tree depths, `train.unroll`, a dflash block). Null: "
         "full attention.",
+    )
+    init_from: RecipePath | None = Field(
+        None, description="Fine-tune a head instead of starting one: a head directory this toolkit wrote (a trained "
+        "run's `heads/KIND`, or `mtp-train import`'s `imported/NAME`, e.g. a SpecForge or speculators head). Its "
+        "weights, draft vocabulary, aux layers and options are the start; each `head` field the recipe sets must be "
+        "the head's, the others are taken from it, and an eagle3 or dflash head's aux layers must be those the "
+        "recipe's features hold (`head.aux_layers`).",
     )
     init: Literal["random", "target_last_layer"] = Field(
         "random", description="Initialise the head's decoder layer randomly or from the target's last layer. "

@@ -28,7 +28,7 @@ from mtp_train.hf_checkpoint import find_checkpoint
 from mtp_train.io import fresh_dir, replace_dir, write_atomic, write_json_atomic
 from mtp_train.models.checkpoint import layer_from_hf, layer_to_hf, read_tensors, weight_locations
 from mtp_train.models.config import ModelConfig
-from mtp_train.features.manifest import target_fingerprint
+from mtp_train.features.manifest import target_fingerprint, text_fingerprint
 
 LATEST = "latest"
 
@@ -218,6 +218,15 @@ def load_trained_head(root: Path, target_root: Path, target: ModelConfig) -> Dra
         raise UserError(f"{root / 'config.json'}: the head was trained for a different target than "
                         f"{target_root}; train it again for this target")
     return head
+
+
+def head_identity(root: Path) -> str:
+    """A head directory's identity, what a run that reads it depends on: its config's fingerprint and its weights'
+    size; refused in one line where it holds no head."""
+    weights, config = root / "model.safetensors", root / "config.json"
+    if not weights.is_file() or not config.is_file():
+        raise UserError(f"{root}: no head here (config.json and model.safetensors)")
+    return "head:" + text_fingerprint(config.read_text(errors="replace")) + str(weights.stat().st_size)
 
 
 def head_is_complete(root: Path, training_fingerprint: str) -> bool:

@@ -10,6 +10,7 @@ from mtp_train.features.online import Features
 from mtp_train.heads import DraftHead, HeadSpec, build_head
 from mtp_train.heads.frozen import FrozenTarget
 from mtp_train.models.checkpoint import read_layer
+from mtp_train.train.checkpoint import load_head
 from mtp_train.recipe import Recipe
 from mtp_train.train.vocab import frequent_tokens
 
@@ -19,7 +20,10 @@ def initial_head(recipe: Recipe, spec: HeadSpec, frozen: FrozenTarget, reader: F
     """An eagle3 head's vocabulary is the most frequent assistant tokens (counted by ``world`` ranks, each its share,
     summed by ``total``: ``frequent_tokens``) and its lm_head starts as their frozen rows; a dflash head's mask vector
     starts as the embedding of the id engines write there; ``init: target_last_layer`` starts an mtp head's layers
-    as the target's last layer (not eagle: see HeadConfig.init)."""
+    as the target's last layer (not eagle: see HeadConfig.init); ``head.init_from`` starts from that head's weights
+    (its draft vocabulary and mask vector included)."""
+    if recipe.head.init_from is not None:
+        return load_head(recipe.head.init_from, frozen.cfg).train()
     head = build_head(spec)
     if spec.kind == "eagle3":
         ids = frequent_tokens(reader, spec.draft_vocab, frozen.cfg.vocab_size, rank, world, total)

@@ -39,8 +39,8 @@ from mtp_train.lock import exclusive, rank_lock
 from mtp_train.progress import Progress
 from mtp_train.recipe import Recipe
 from mtp_train.threads import leave_signals_to_main_thread, set_threads, warn_if_oversubscribed
-from mtp_train.train.checkpoint import (begin_checkpoint, finish_checkpoint, head_is_complete, load_checkpoint,
-                                        load_optimizer_shard, save_head, save_optimizer_shard)
+from mtp_train.train.checkpoint import (begin_checkpoint, finish_checkpoint, head_identity, head_is_complete,
+                                        load_checkpoint, load_optimizer_shard, save_head, save_optimizer_shard)
 from mtp_train.train.data import Batch, BatchPlan, load_batch, plan_batches, plan_rank
 from mtp_train.train.initial import initial_head
 from mtp_train.train.distributed import (EXIT_STOPPED, StopRequest, make_accelerator, optimizer_state, rank_digests,
@@ -48,7 +48,7 @@ from mtp_train.train.distributed import (EXIT_STOPPED, StopRequest, make_acceler
 from mtp_train.train.loss import LossWeights, StepMetrics
 from mtp_train.train.objective import heldout_batches, loss_weights, objective, validate
 from mtp_train.train.records import append_record, logged_tokens, start_wandb, trim_log
-from mtp_train.train.recipe_checks import recipe_head_spec
+from mtp_train.train.recipe_checks import init_head_spec, recipe_head_spec
 from mtp_train.train.vocab import aux_indices
 from mtp_train.features.manifest import text_fingerprint
 from mtp_train.features.online import Features, OnlineFeatures, open_features
@@ -119,8 +119,16 @@ class TrainInputs:
         aux = aux_indices(reader, h.aux_layers, frozen.cfg) if h.kind in AUX_KINDS else ()
         spec = recipe_head_spec(recipe, frozen.cfg, reader.manifest.fingerprint["target"],
                                 tuple(reader.manifest.layers[i] + 1 for i in aux))
+        start = None
+        if h.init_from is not None:  # fine-tuning: the head's own spec, checked against the recipe and the features
+            spec = init_head_spec(recipe, frozen.cfg)
+            if spec.target_fingerprint != reader.manifest.fingerprint["target"]:
+                raise UserError(f"head.init_from: {h.init_from} was trained for another target than the features' "
+                                f"({recipe.features_dir}); import it for this target with `mtp-train import`")
+            start = head_identity(h.init_from)
         train_key = text_fingerprint(json.dumps(  # (the τ probe's settings measure the head and do not change it)
-            {"recipe_train": recipe.train.model_dump(mode="json", exclude={"tau_every", "tau_prompts", "tau_tokens"}), "head": recipe.head.model_dump(mode="json"),
+            {"recipe_train": recipe.train.model_dump(mode="json", exclude={"tau_every", "tau_prompts", "tau_tokens"}),
+             "head": recipe.head.model_dump(mode="json"), "init_from": start,
              "seed": recipe.seed, "features": reader.manifest.fingerprint}, sort_keys=True))
         return cls(recipe, reader, frozen, spec, aux, train_key)
 
