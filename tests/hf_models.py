@@ -91,3 +91,26 @@ def peer_inputs(directory: Path) -> tuple[Path, Path]:
     t2d[used] = True
     save_file({"d2t": used - torch.arange(64), "t2d": t2d}, directory / "vocab.safetensors")
     return directory / "tokens.jsonl", directory / "vocab.safetensors"
+
+
+def imported_head_decodes_losslessly(src: Path, target: Path, layout: str | None = None):
+    """The head a peer wrote at ``src``, imported for ``target`` (``mtp-train import``'s path), drafts in this
+    runtime at k = 2 with the greedy output of plain decoding; returns the imported head."""
+    import json
+
+    from mtp_train.importer import import_head
+    from mtp_train.models.config import ModelConfig
+    from mtp_train.runtime.drafters import head_drafter
+    from mtp_train.runtime.engine import Engine
+    from mtp_train.runtime.sampling import SamplingParams
+    from mtp_train.runtime.speculative import SpeculativeDecoder
+
+    cfg = ModelConfig.from_hf(json.loads((target / "config.json").read_text()))
+    head, _ = import_head(src, target, cfg, layout)
+    engine = Engine.from_pretrained(target, num_pages=64)
+    prompts = [[(5 * i + j) % 128 for j in range(12)] for i in range(3)]
+    params = [SamplingParams(max_new_tokens=10, stop_token_ids=(), seed=s) for s in range(3)]
+    plain = [r.tokens for r in engine.generate(prompts, params)]
+    spec = SpeculativeDecoder(engine, head_drafter(engine, head), 2).generate(prompts, params)
+    assert [r.tokens for r in spec] == plain
+    return head

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_models import peer_inputs
+from hf_models import imported_head_decodes_losslessly, peer_inputs
 
 REPO = Path(__file__).resolve().parents[1]
 PEERS_PYTHON = REPO / ".venv-peers" / "bin" / "python"
@@ -100,3 +100,6 @@ def test_specforge_run_trains_and_exports(tmp_path: Path) -> None:
         ours = load_file(tmp_path / "vocab.safetensors")  # the even ids
         assert torch.equal(f.get_tensor("d2t"), ours["d2t"]) and torch.equal(f.get_tensor("t2d"), ours["t2d"])
         assert f.get_tensor("lm_head.weight").shape == (64, 32) and f.get_tensor("fc.weight").dtype == torch.float32
+    # SpecForge's own export (SGLang's layout, default aux layers) imported: it drafts here, losslessly
+    head = imported_head_decodes_losslessly(tmp_path / "out" / "vllm", target)
+    assert head.spec.aux_layers == (2, 4, 5) and torch.equal(head.draft_ids, torch.arange(0, 128, 2))

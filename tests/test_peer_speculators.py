@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_models import peer_inputs
+from hf_models import imported_head_decodes_losslessly, peer_inputs
 
 REPO = Path(__file__).resolve().parents[1]
 SPECULATORS_PYTHON = REPO / ".venv-speculators" / "bin" / "python"
@@ -123,3 +123,8 @@ def test_speculators_run_trains_and_writes_a_head(tmp_path: Path) -> None:
         ours = load_file(tmp_path / "vocab.safetensors")  # the even ids
         assert torch.equal(f.get_tensor("d2t"), ours["d2t"]) and torch.equal(f.get_tensor("t2d"), ours["t2d"])
         assert f.get_tensor("lm_head.weight").shape == (64, 32) and f.get_tensor("fc.weight").shape == (32, 96)
+    # speculators' own file imported (its norms, window and aux ids as written): it drafts here, losslessly
+    imported = imported_head_decodes_losslessly(tmp_path / "out" / "vllm", tmp_path / "target")
+    assert imported.spec.aux_layers == (2, 4, 5)
+    assert (imported.spec.norm_before_fc, imported.spec.norm_before_residual) == (
+        bool(head.get("norm_before_fc")), bool(head.get("norm_before_residual")))
