@@ -26,7 +26,6 @@ which refuses a plan that does not fit, as training on a GPU does at its start: 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
 
@@ -203,22 +202,6 @@ def _stored(recipe: Recipe, cfg: ModelConfig) -> int:
     return len(stored_layers(recipe, cfg))
 
 
-def eval_heads(recipe: Recipe) -> list[str]:
-    """The head kinds the eval drafts with: its own head (unless it drafts with a draft model or the target's own
-    MTP layer) and the ``eval.compare`` heads (the bigram has no head)."""
-    own = [recipe.head.kind] if recipe.eval.draft_model is None and recipe.eval.draft == "head" else []
-    return own + [_imported_kind(recipe, k) if k.startswith("imported/") else k for k in recipe.eval.compare
-                  if k not in ("bigram", "target_mtp")]
-
-
-def _imported_kind(recipe: Recipe, name: str) -> str:
-    """An imported head's kind, from its config once imported (planned as an eagle3 head, the largest, before)."""
-    try:
-        return json.loads((recipe.draft_dir(name) / "config.json").read_text(encoding="utf-8"))["kind"]
-    except (OSError, ValueError, KeyError):
-        return "eagle3"
-
-
 def flashinfer_backends(recipe: Recipe, cfg: ModelConfig, engines: int) -> int:
     """How many of ``engines`` attention backends are FlashInfer's on a GPU, each with its workspace: all where
     ``target.attention_backend`` is auto or flashinfer, the target is half (auto: bf16 on CUDA) and has no MLA
@@ -242,7 +225,7 @@ def eval_plan(cfg: ModelConfig, recipe: Recipe, gpu_bytes: int, scoring: int) ->
     t = recipe.target
     itemsize = _dtype_bytes(t.dtype)
     weights = target_weight_bytes(cfg, t.tp, itemsize)
-    kinds = eval_heads(recipe)
+    kinds = recipe.eval_head_kinds()
     heads = sum(head_parameter_count(recipe, cfg, kind) for kind in kinds) * itemsize
     drafters = len(kinds) + (recipe.eval.draft_model is not None)
     buffers = reserved_bytes(flashinfer_backends(recipe, cfg, 1 + drafters), t.tp)

@@ -6,6 +6,7 @@ directory of the recipe file, so a recipe means the same thing from any working 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -245,6 +246,22 @@ class Recipe(Section):
         layer), then the head kinds that ``eval.compare`` asks to compare against."""
         first = [self.head.kind] if self.eval.draft == "head" else []
         return first + [k for k in dict.fromkeys(self.eval.compare) if k in HEAD_KINDS and k not in first]
+
+    def eval_head_kinds(self) -> list[str]:
+        """The head kinds the eval drafts with: its own head (unless it drafts with a draft model or the target's own
+        MTP layer) and the ``eval.compare`` heads (the bigram has no head); an imported one's kind from its config
+        (planned as eagle3's, the largest, before it is imported)."""
+        own = [self.head.kind] if self.eval.draft_model is None and self.eval.draft == "head" else []
+        kinds = []
+        for name in self.eval.compare:
+            if name.startswith("imported/"):
+                try:
+                    name = json.loads((self.draft_dir(name) / "config.json").read_text(encoding="utf-8"))["kind"]
+                except (OSError, ValueError, KeyError, TypeError):
+                    name = "eagle3"
+            if name not in ("bigram", "target_mtp"):
+                kinds.append(name)
+        return own + kinds
 
     # Every path a run writes, in one place.
     @property

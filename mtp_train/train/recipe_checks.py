@@ -21,12 +21,16 @@ def recipe_head_spec(recipe: Recipe, cfg: ModelConfig, fingerprint: str, aux_lay
                      h.parallel_drafts or 0, h.window or 0)
 
 
-def init_head_spec(recipe: Recipe, cfg: ModelConfig) -> HeadSpec:
+def init_head_spec(recipe: Recipe, cfg: ModelConfig, features_target: str | None = None) -> HeadSpec:
     """``head.init_from``'s spec, checked against the recipe: the head's kind is ``head.kind``, each ``head`` field the
-    recipe sets is the head's (the rest are taken from it), and an aux kind reads the layers the recipe's features
-    hold; refused, in one line naming the field, otherwise."""
+    recipe sets is the head's (the rest are taken from it), an aux kind reads the layers the recipe's features hold,
+    and the head is for the features' target (fingerprint ``features_target``, when given); refused, in one line
+    naming the field, otherwise."""
     h, path = recipe.head, recipe.head.init_from
     spec = load_head_config(path)
+    if features_target is not None and spec.target_fingerprint != features_target:
+        raise UserError(f"head.init_from: {path} was trained for another target than the features' "
+                        f"({recipe.features_dir}); import it for this target with `mtp-train import`")
     if spec.kind != h.kind:
         raise UserError(f"head.init_from: {path} holds an {spec.kind} head; set head.kind: {spec.kind}")
     if (spec.target.hidden_size, spec.target.vocab_size) != (cfg.hidden_size, cfg.vocab_size):

@@ -5,10 +5,9 @@ already complete -> set up (head, optimizer, accelerator, resume from ``latest``
 micro-batches -> loss -> backward -> clip -> step -> log -> validate -> checkpoint -> stop if asked -> at the end,
 write the HF-style head directory. ``Trainer`` holds the run's state and names each of those steps.
 
-Launch one process with ``mtp-train train RECIPE``; several on CPU with
-``ACCELERATE_USE_CPU=1 torchrun --nproc_per_node N -m mtp_train.cli train RECIPE`` (gloo). Rank r takes batches
-r, r+W, ... of each epoch's seeded order, so the global batch is ``W * grad_accum * batch_tokens`` tokens, and the
-data position is a function of the step.
+Launch one process with ``mtp-train train RECIPE``; several on CPU with ``ACCELERATE_USE_CPU=1 torchrun
+--nproc_per_node N -m mtp_train.cli train RECIPE`` (gloo). Rank r takes batches r, r+W, ... of each epoch's seeded
+order, so the global batch is ``W * grad_accum * batch_tokens`` tokens, and the data position is a function of the step.
 
 SIGUSR1 or SIGTERM (a SLURM time-limit warning or a preemption) asks for a stop: at the end of the current
 optimizer step every rank agrees on it, a checkpoint is written, and the process exits with status 75
@@ -98,38 +97,31 @@ def _train(trainer: Trainer) -> Path:
 
 @dataclass(frozen=True)
 class TrainInputs:
-    """What a run trains on, read before anything is built: the features, the frozen target parts (loaded on the
-    CPU), the head's spec, the stored layers an eagle3 head reads (``aux``: indices into the stored layers, else
-    empty) and ``train_key``, the fingerprint of the training settings and the features a finished head records."""
+    """What a run trains on, read before anything is built: the features, the frozen target parts (loaded on the CPU),
+    the head's spec, the stored layers an eagle3 head reads (``aux``: indices into the stored layers, else empty) and
+    ``train_key``, the fingerprint of the training settings and the features a finished head records."""
 
     recipe: Recipe
     reader: Features
     frozen: FrozenTarget
-    spec: HeadSpec
+    spec: HeadSpec  # (head.init_from: that head's)
     aux: tuple[int, ...]
-    train_key: str
+    train_key: str  # (head.init_from: that head's identity too)
 
     @classmethod
     def read(cls, recipe: Recipe) -> TrainInputs:
-        reader = open_features(recipe)
-        frozen = FrozenTarget.load(recipe.target.path)
+        reader, frozen = open_features(recipe), FrozenTarget.load(recipe.target.path)
         if reader.manifest.layers[-1] != frozen.cfg.num_layers - 1:
             raise UserError(f"{recipe.features_dir}: the last stored layer must be the target's last layer")
         h = recipe.head
         aux = aux_indices(reader, h.aux_layers, frozen.cfg) if h.kind in AUX_KINDS else ()
-        spec = recipe_head_spec(recipe, frozen.cfg, reader.manifest.fingerprint["target"],
-                                tuple(reader.manifest.layers[i] + 1 for i in aux))
-        start = None
-        if h.init_from is not None:  # fine-tuning: the head's own spec, checked against the recipe and the features
-            spec = init_head_spec(recipe, frozen.cfg)
-            if spec.target_fingerprint != reader.manifest.fingerprint["target"]:
-                raise UserError(f"head.init_from: {h.init_from} was trained for another target than the features' "
-                                f"({recipe.features_dir}); import it for this target with `mtp-train import`")
-            start = head_identity(h.init_from)
+        target = reader.manifest.fingerprint["target"]
+        spec = (init_head_spec(recipe, frozen.cfg, target) if h.init_from is not None else
+                recipe_head_spec(recipe, frozen.cfg, target, tuple(reader.manifest.layers[i] + 1 for i in aux)))
         train_key = text_fingerprint(json.dumps(  # (the τ probe's settings measure the head and do not change it)
             {"recipe_train": recipe.train.model_dump(mode="json", exclude={"tau_every", "tau_prompts", "tau_tokens"}),
-             "head": recipe.head.model_dump(mode="json"), "init_from": start,
-             "seed": recipe.seed, "features": reader.manifest.fingerprint}, sort_keys=True))
+             "head": recipe.head.model_dump(mode="json"), "seed": recipe.seed, "features": reader.manifest.fingerprint,
+             "init_from": head_identity(h.init_from) if h.init_from is not None else None}, sort_keys=True))
         return cls(recipe, reader, frozen, spec, aux, train_key)
 
 
