@@ -60,6 +60,9 @@ REPORT = "a report.json an eval wrote (or --baseline names)"
 DATA = "the data's rows through the tokenizer (the dry run's check_data makes precompute's on the first rows)"
 PROMPTS = "the prompt sets' files and the tokenizer's chat template"
 KV = "the sequences' lengths against the KV cache, which is sized on the machine that runs the stage"
+IMPORTED = "a head `mtp-train import` wrote (OUTPUT_DIR/imported/NAME)"
+INIT_HEAD = ("the head.init_from head's config.json, which another run or `mtp-train import` wrote (check_recipe reads "
+             "it before any stage runs, so --dry-run refuses these too: tests/test_init_from.py)")
 # Sites whose refusal needs more than the recipe: what an earlier stage wrote, the data, the machine, the launch.
 NOT_RECIPE = {
     "precompute/directory.py::prepare_directory: {}: existing features were made with different {": FEATURES,
@@ -74,7 +77,8 @@ NOT_RECIPE = {
     "precompute/shards.py::plan_shards: {}: holds rows that no longer match the plan; re": FEATURES,
     "eval/loading.py::baseline_path: {} {}; give the report.json of an earlier eval": REPORT,
     "eval/loading.py::heldout_rows: {} not found; the `heldout` prompt set needs `mt": FEATURES,
-    "eval/loading.py::load_other: eval.compare: no trained {} head in {}; run `mtp": HEAD,
+    "eval/loading.py::load_other: eval.compare: no {} head in {}; run `mtp-train t": HEAD + " (or imported)",
+    "eval/run.py::_compare_id: eval.compare: no {} head in {}; run `mtp-train i": IMPORTED,
     "eval/prompts.py::load_prompt_set: prompt set {}: {} not found (valid sets are {})": PROMPTS,
     "eval/prompts.py::load_prompt_set: prompt set {}: no prompts": PROMPTS,
     "eval/prompts.py::render_prompt: {}: has no chat template to render prompts with": PROMPTS,
@@ -112,6 +116,14 @@ NOT_RECIPE = {
     "mtp_train/train/checkpoint.py::load_target_mtp: {}: config.json says {} MTP layer(s), but no ten": "the "
         "target's weights (which tensors the checkpoint holds)",
     "mtp_train/train/trainer.py::TrainInputs.read: {}: the last stored layer must be the target's l": FEATURES,
+    "mtp_train/train/checkpoint.py::head_identity: {}: no head here (config.json and model.safetens": INIT_HEAD,
+    "mtp_train/train/recipe_checks.py::init_head_spec: head.aux_layers: the features hold {} for this r": INIT_HEAD,
+    "mtp_train/train/recipe_checks.py::init_head_spec: head.init_from: {} holds an {} head; set head.ki": INIT_HEAD,
+    "mtp_train/train/recipe_checks.py::init_head_spec: head.init_from: {} was built for hidden size {}": INIT_HEAD,
+    "mtp_train/train/recipe_checks.py::init_head_spec: head.init_from: {} was trained for another targe": INIT_HEAD
+        + ", against " + FEATURES,
+    "mtp_train/train/recipe_checks.py::init_head_spec: head.norm_output: {} is not the head.init_from h": INIT_HEAD,
+    "mtp_train/train/recipe_checks.py::init_head_spec: head.{}: {} is not the head.init_from head's {}": INIT_HEAD,
     "mtp_train/train/trainer.py::Trainer.setup: {}: too few training sequences for {} process(es": FEATURES
         + ", against the processes launched",
     "mtp_train/train/vocab.py::aux_indices: {}: the features hold the outputs of layers {};": FEATURES,
@@ -126,6 +138,8 @@ NOT_RECIPE = {
     "mtp_train/export.py::export_head: {}: no trained {} head; run `mtp-train train` fi": HEAD,
     "mtp_train/export.py::_check_servable: {}/config.json: the head was trained in other co": HEAD + " (the "
         "conventions its config.json records)",
+    "mtp_train/export.py::export_head: --format sglang: {} is an eagle3 head with norm_": HEAD + " (its "
+        "norm_before_residual, which only an imported head has)",
     "mtp_train/runtime/attention.py::backend_name: target.attention_backend: flashinfer needs a CUD": "the machine "
         "(a CUDA device)",
     "mtp_train/runtime/attention.py::backend_name: target.attention_backend: flashinfer could not b": "the machine "
