@@ -96,26 +96,13 @@ def saved_storages(params: list[torch.Tensor]) -> tuple[Callable[[torch.Tensor],
     return pack, held
 
 
-def _flash_saved_bytes(recipe: Recipe, cfg: ModelConfig, tokens: int) -> int:
-    """Bytes autograd keeps for one step of the head over ``tokens`` positions with a flash kernel's attention."""
-    with counting(autocast_dtype(recipe)) as device, torch.device(device):
-        head = build_head(_plan_spec(recipe, cfg))
-        embeds, hidden = torch.empty(tokens, cfg.hidden_size), torch.empty(tokens, cfg.hidden_size)
-        pack, held = saved_storages(list(head.parameters()))
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = head.run(embeds, hidden, torch.arange(tokens), _FlashLikeAttention(),
-                           [(None, None)] * len(head.layers))
-        saved = held()
-        del out
-    return saved
-
-
 def head_activation_bytes_per_token(recipe: Recipe, cfg: ModelConfig) -> int:
     """Bytes autograd saves per token for one unrolled step of the head with a flash kernel's attention: the
     difference of two lengths, which leaves out what does not grow with them (autocast's half copies of the
     head's weights: ``autocast_weight_bytes``)."""
     n = 1024
-    return (_flash_saved_bytes(recipe, cfg, 2 * n) - _flash_saved_bytes(recipe, cfg, n)) // n
+    one, two = (head_saved_bytes(recipe, cfg, [0, m * n], flash=True) for m in (1, 2))
+    return (two - one) // n
 
 
 def autocast_weight_bytes(recipe: Recipe, cfg: ModelConfig) -> int:
@@ -147,9 +134,10 @@ def attention_kernel(recipe: Recipe, cfg: ModelConfig, kind: str | None = None) 
 
 
 def head_saved_bytes(recipe: Recipe, cfg: ModelConfig, cu_seqlens: list[int], steps: int = 1,
-                     device: str = "meta", anchors: list[torch.Tensor] | None = None) -> int:
+                     device: str = "meta", anchors: list[torch.Tensor] | None = None, flash: bool = False) -> int:
     """Bytes autograd keeps for ``steps`` chained steps of the head over packed documents ``cu_seqlens``, with the
-    attention the trainer runs (SDPA's math kernel for ``DocumentCausalAttention``'s, ``range_attention`` for MLA's,
+    attention the trainer runs (SDPA's math kernel for ``DocumentCausalAttention``'s, or with ``flash`` what a flash
+    kernel keeps, ``_FlashLikeAttention``; ``range_attention`` for MLA's,
     eagle3's ``TTTAttention``, whose keys grow by a step each time, and dflash's ``BlockAttention``, at ``anchors``:
     per document, every position by default), in the dtype the trainer's autocast computes in (``counting``): the
     storages of the saved tensors still held when the forward ends (``saved_storages``; the aux states are the
@@ -194,8 +182,8 @@ def head_saved_bytes(recipe: Recipe, cfg: ModelConfig, cu_seqlens: list[int], st
                     out = head(embeds, hidden if step else None, positions + step, plan, None if step else aux)
                     hidden = head.feedback_state(out)
                 else:
-                    out = head.run(embeds, hidden, positions, DocumentCausalAttention(cu_seqlens, spec.window),
-                                   [(None, None)] * len(head.layers))
+                    attention = _FlashLikeAttention() if flash else DocumentCausalAttention(cu_seqlens, spec.window)
+                    out = head.run(embeds, hidden, positions, attention, [(None, None)] * len(head.layers))
                     hidden = head.feedback_state(out)
         saved = held()
         del out, hidden

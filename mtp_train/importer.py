@@ -39,6 +39,7 @@ from mtp_train.heads.base import DraftHead, head_spec
 from mtp_train.heads.dflash_layout import MASK_FILE
 from mtp_train.heads.eagle3 import default_aux_layers
 from mtp_train.heads.frozen import FrozenTarget
+from mtp_train.hf_checkpoint import find_checkpoint
 from mtp_train.models.config import ModelConfig
 from mtp_train.recipe import Recipe
 from mtp_train.train.checkpoint import head_from_hf, head_to_hf, save_head
@@ -131,7 +132,7 @@ def _aux_ids(config: dict, layout: str, asked: str | None, target: ModelConfig, 
 def _eagle3(config: dict, tensors: dict[str, torch.Tensor], layout: str, asked: str | None, target: ModelConfig,
             embed: torch.Tensor, source: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """An eagle3 head's ``head_spec`` arguments and tensors in this toolkit's names (``head_to_hf``'s)."""
-    layer = config.get("transformer_layer_config") or config if layout == "speculators" else config
+    layer = (config.get("transformer_layer_config") or config) if layout == "speculators" else config
     _check_layer(layer, target, source, "transformer_layer_config." if layout == "speculators" else "")
     eagle = config.get("eagle_config") or {}
     if eagle.get("use_aux_hidden_state") is False:
@@ -175,7 +176,8 @@ def _eagle3(config: dict, tensors: dict[str, torch.Tensor], layout: str, asked: 
                  else "parallel_drafting is true, and vLLM's format does not record how many tokens one forward "
                       "drafts (the serving command's num_speculative_tokens); import its speculators export")
         raise UserError(f"{source}: a P-EAGLE head, but {where}")
-    args = {"aux_layers": tuple(_aux_ids(config, layout, asked, target, source)), "draft_vocab": draft_vocab,
+    args = {"num_layers": 1, "aux_layers": tuple(_aux_ids(config, layout, asked, target, source)),
+            "draft_vocab": draft_vocab,
             "fc_norm": bool(config.get("fc_norm")), "norm_output": bool(config.get("norm_output")),
             "parallel_drafts": parallel, "mask_token_id": int(config.get("mask_token_id", -1)),
             "window": _window(layer), "norm_before_residual": bool(config.get("norm_before_residual")),
@@ -245,18 +247,15 @@ def import_head(src: Path, target_root: Path, target: ModelConfig, layout: str |
     embed = FrozenTarget.load(target_root).embed_weight
     if kind == "eagle3":
         args, named = _eagle3(config, tensors, found, layout, target, embed, source)
-        num_layers = 1
     elif kind == "eagle":
         args, named = _eagle(config, tensors, target, embed, source)
-        num_layers = args.pop("num_layers")
     else:
         args, named = _dflash(config, tensors, src, target, source)
-        num_layers = args.pop("num_layers")
     layout = layout or found
     convention = "sglang" if layout == "sglang" else "vllm"
-    spec = head_spec(kind, num_layers, target, target_fingerprint(target_root), convention, **args)
+    spec = head_spec(kind, args.pop("num_layers"), target, target_fingerprint(target_root), convention, **args)
     head = head_from_hf(spec, named, source)
-    unused = sorted(set(named) - set(head_to_hf(head)) - {"draft_ids"})
+    unused = sorted(set(named) - set(head_to_hf(head)))
     if unused:
         raise UserError(f"{source}: tensor {unused[0]!r} is not part of the {kind} head this runtime builds for the "
                         "target")
@@ -268,8 +267,7 @@ def import_recipe_head(recipe: Recipe, src: Path, layout: str | None = None, nam
     directory (``config.json`` with an ``imported`` record, ``model.safetensors``) at ``OUTPUT_DIR/imported/NAME``,
     atomically; returns that directory."""
     root = recipe.target.path
-    config = root / "config.json"
-    target = ModelConfig.from_hf(json.loads(config.read_text(encoding="utf-8")), str(config))
+    target = ModelConfig.from_hf(find_checkpoint(root).config, str(root / "config.json"))
     head, record = import_head(src, root, target, layout)
     out = recipe.output_dir / "imported" / (name or src.resolve().name)
     save_head(out, head, {"imported": record})

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from mtp_train.errors import UserError
-from mtp_train.head_memory import (attention_kernel, batch_bytes, dflash_blocks, frozen_bytes, head_parameter_count,
-                                   loss_copy_bytes, planned_steps, train_activation_bytes)
+from mtp_train.head_memory import (attention_kernel, autocast_dtype, batch_bytes, dflash_blocks, frozen_bytes,
+                                   head_parameter_count, loss_copy_bytes, planned_steps, train_activation_bytes)
 from mtp_train.heads.base import AUX_KINDS
 from mtp_train.models.config import ModelConfig
 from mtp_train.recipe import Recipe
@@ -273,7 +273,7 @@ def _train_plan(cfg: ModelConfig, recipe: Recipe, gpu_bytes: int, scoring: int) 
               f"{min(recipe.data.max_length, tr.batch_tokens):,} tokens" if kernel == "math" else ""))
     zero = TRAIN_RANKS if tr.engine == "deepspeed" else 1
     grads = head_params * 4 // (zero if tr.engine == "deepspeed" and tr.zero_stage == 2 else 1)
-    bf16 = tr.mixed_precision in ("auto", "bf16")  # auto: bf16 on a GPU; the trainer's autocast is bf16's only
+    bf16 = autocast_dtype(recipe) is not None  # auto: bf16 on a GPU; the trainer's autocast is bf16's only
     frozen = frozen_bytes(cfg, half_lm_head=bf16)
     features = batch_bytes(recipe, cfg, 4 if recipe.head.kind in AUX_KINDS else 1)  # last layer (+ aux)
     parts = {"frozen": frozen, "head+grads+AdamW": head_params * 4 + grads + head_params * 8 // zero,

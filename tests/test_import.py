@@ -83,8 +83,9 @@ def test_every_format_round_trips_through_import(tmp_path, case):
 
 
 def _specforge_like(tmp_path: Path) -> Path:
-    """An eagle3 head as SpecForge's SGLang export writes it (EXPORT.md 3.5): ``midlayer.*``, ``d2t``/``t2d``, no
-    aux ids (the defaults), ``LlamaForCausalLMEagle3``; from this runtime's head, renamed."""
+    """An eagle3 head in the layout SpecForge's SGLang export writes (EXPORT.md 3.5): ``midlayer.*``, ``d2t``/``t2d``,
+    ``LlamaForCausalLMEagle3``; this toolkit's own SGLang export of a random head (its aux ids, not the defaults,
+    under ``eagle_config``). Files SpecForge itself wrote are the slow peer tests'."""
     kind, args, _ = CASES["eagle3"]
     head = _head(kind, args)
     recipe = _recipe(tmp_path, kind)

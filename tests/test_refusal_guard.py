@@ -122,7 +122,6 @@ NOT_RECIPE = {
     "mtp_train/train/recipe_checks.py::init_head_spec: head.init_from: {} was built for hidden size {}": INIT_HEAD,
     "mtp_train/train/recipe_checks.py::init_head_spec: head.init_from: {} was trained for another targe": INIT_HEAD
         + ", against " + FEATURES,
-    "mtp_train/train/recipe_checks.py::init_head_spec: head.norm_output: {} is not the head.init_from h": INIT_HEAD,
     "mtp_train/train/recipe_checks.py::init_head_spec: head.{}: {} is not the head.init_from head's {}": INIT_HEAD,
     "mtp_train/train/trainer.py::Trainer.setup: {}: too few training sequences for {} process(es": FEATURES
         + ", against the processes launched",

@@ -37,14 +37,11 @@ def init_head_spec(recipe: Recipe, cfg: ModelConfig, features_target: str | None
         raise UserError(f"head.init_from: {path} was built for hidden size {spec.target.hidden_size} and vocabulary "
                         f"{spec.target.vocab_size}; the target has {cfg.hidden_size} and {cfg.vocab_size}")
     wanted = recipe_head_spec(recipe, cfg, spec.target_fingerprint, spec.aux_layers)
-    for field in ("num_layers", "draft_vocab", "fc_norm", "window", "block_size", "parallel_drafts", "mask_token_id",
-                  "convention"):
+    for field in ("num_layers", "draft_vocab", "fc_norm", "norm_output", "window", "block_size", "parallel_drafts",
+                  "mask_token_id", "convention"):
         if field in h.model_fields_set and getattr(wanted, field) != getattr(spec, field):
             raise UserError(f"head.{field}: {getattr(h, field)!r} is not the head.init_from head's "
                             f"{getattr(spec, field)!r} ({path}); set it so, or leave it out")
-    if "norm_output" in h.model_fields_set and h.norm_output != spec.norm_output:
-        raise UserError(f"head.norm_output: {h.norm_output} is not the head.init_from head's {spec.norm_output} "
-                        f"({path}); set it so, or leave it out")
     if spec.kind in AUX_KINDS:
         from mtp_train.heads.eagle3 import aux_layers_for
 
