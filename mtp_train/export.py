@@ -51,6 +51,7 @@ from mtp_train.heads.dflash_layout import MASK_FILE, dflash_config, to_dflash
 from mtp_train.heads.eagle3_layout import eagle3_config, to_eagle3
 from mtp_train.heads.frozen import FrozenTarget
 from mtp_train.io import fresh_dir, replace_dir, write_atomic, write_json_atomic
+from mtp_train.lock import exclusive
 from mtp_train.models.config import ModelConfig
 from mtp_train.recipe import Recipe
 from mtp_train.train.checkpoint import head_to_hf, load_trained_head
@@ -79,25 +80,26 @@ def export_head(recipe: Recipe, fmt: str, out: Path | None = None) -> Path:
                         "does not read (vLLM does); export it with --format vllm or speculators")
 
     out = out or recipe.export_dir(fmt)
-    tmp = fresh_dir(out.with_name(f".{out.name}.tmp"))
-    tensors = head_to_hf(head)
-    if spec.kind == "eagle3":
-        tensors = to_eagle3(tensors, target.vocab_size, "layers.0." if fmt == "speculators" else "midlayer.")
-    elif spec.kind == "mtp":
-        tensors = to_deepseek(tensors, target.num_layers)
-        frozen = FrozenTarget.load(recipe.target.path)
-        for name, weight in zip(SHARED_COPIES, (frozen.embed_weight, frozen.lm_head_weight)):
-            tensors[f"model.layers.{target.num_layers}.{name}"] = weight.clone()
-    elif spec.kind == "dflash":
-        tensors, mask = to_dflash(tensors)
-        torch.save({"embedding": mask.clone(), "mask_token_id": spec.mask_token_id}, tmp / MASK_FILE)
-    elif fmt == "sglang":
-        tensors["fc.bias"] = tensors["fc.weight"].new_zeros(tensors["fc.weight"].shape[0])
-    save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
-    trained = json.loads((root / "config.json").read_text(encoding="utf-8"))
-    write_json_atomic(tmp / "config.json", _config(target_config, spec, fmt, trained, str(recipe.target.path)))
-    write_atomic(tmp / "README.md", model_card(recipe, spec, fmt, trained))
-    replace_dir(tmp, out)
+    with exclusive(out.with_name(f".lock.{out.name}"), "export"):  # a second export there refuses in one line
+        tmp = fresh_dir(out.with_name(f".{out.name}.tmp"))
+        tensors = head_to_hf(head)
+        if spec.kind == "eagle3":
+            tensors = to_eagle3(tensors, target.vocab_size, "layers.0." if fmt == "speculators" else "midlayer.")
+        elif spec.kind == "mtp":
+            tensors = to_deepseek(tensors, target.num_layers)
+            frozen = FrozenTarget.load(recipe.target.path)
+            for name, weight in zip(SHARED_COPIES, (frozen.embed_weight, frozen.lm_head_weight)):
+                tensors[f"model.layers.{target.num_layers}.{name}"] = weight.clone()
+        elif spec.kind == "dflash":
+            tensors, mask = to_dflash(tensors)
+            torch.save({"embedding": mask.clone(), "mask_token_id": spec.mask_token_id}, tmp / MASK_FILE)
+        elif fmt == "sglang":
+            tensors["fc.bias"] = tensors["fc.weight"].new_zeros(tensors["fc.weight"].shape[0])
+        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        trained = json.loads((root / "config.json").read_text(encoding="utf-8"))
+        write_json_atomic(tmp / "config.json", _config(target_config, spec, fmt, trained, str(recipe.target.path)))
+        write_atomic(tmp / "README.md", model_card(recipe, spec, fmt, trained))
+        replace_dir(tmp, out)
     return out
 
 

@@ -40,6 +40,7 @@ from mtp_train.heads.dflash_layout import MASK_FILE
 from mtp_train.heads.eagle3 import default_aux_layers
 from mtp_train.heads.frozen import FrozenTarget
 from mtp_train.hf_checkpoint import find_checkpoint
+from mtp_train.lock import exclusive
 from mtp_train.models.config import ModelConfig
 from mtp_train.recipe import Recipe
 from mtp_train.train.checkpoint import head_from_hf, head_to_hf, save_head
@@ -265,10 +266,11 @@ def import_head(src: Path, target_root: Path, target: ModelConfig, layout: str |
 def import_recipe_head(recipe: Recipe, src: Path, layout: str | None = None, name: str | None = None) -> Path:
     """``mtp-train import``: the head at ``src`` imported for the recipe's target, written as a trained head
     directory (``config.json`` with an ``imported`` record, ``model.safetensors``) at ``OUTPUT_DIR/imported/NAME``,
-    atomically; returns that directory."""
+    atomically and holding that name's lock; returns that directory."""
     root = recipe.target.path
     target = ModelConfig.from_hf(find_checkpoint(root).config, str(root / "config.json"))
-    head, record = import_head(src, root, target, layout)
     out = recipe.output_dir / "imported" / (name or src.resolve().name)
-    save_head(out, head, {"imported": record})
+    with exclusive(out.with_name(f".lock.{out.name}"), "import"):  # a second import of NAME refuses in one line
+        head, record = import_head(src, root, target, layout)
+        save_head(out, head, {"imported": record})
     return out

@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import TINY_RECIPE, TINY_TARGET, assert_one_line_user_error, run_cli
+from conftest import (REPO, TINY_RECIPE, TINY_TARGET, assert_one_line_user_error, pause_env, paused_processes,
+                      run_cli)
 from mtp_train.errors import UserError
 from mtp_train.export import export_head
 from mtp_train.features.manifest import target_fingerprint
@@ -93,6 +94,14 @@ def _specforge_like(tmp_path: Path) -> Path:
     return export_head(recipe, "sglang", tmp_path / "specforge")
 
 
+def _tiny_recipe_file(tmp_path: Path) -> Path:
+    """The tiny recipe, copied with its output in ``tmp_path / "out"`` (the target's path made absolute)."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(TINY_RECIPE.read_text().replace("output_dir: ../runs/tiny", f"output_dir: {tmp_path / 'out'}")
+                      .replace("path: tiny/target", f"path: {TINY_TARGET}"))
+    return recipe
+
+
 def _edit(src: Path, config=None, tensors=None) -> Path:
     if config is not None:
         data = json.loads((src / "config.json").read_text())
@@ -162,9 +171,7 @@ def test_the_import_command_writes_a_head_this_runtime_loads(tmp_path):
     from mtp_train.train.checkpoint import load_trained_head
 
     src = _specforge_like(tmp_path)
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(TINY_RECIPE.read_text().replace("output_dir: ../runs/tiny", f"output_dir: {tmp_path / 'out'}")
-                      .replace("path: tiny/target", f"path: {TINY_TARGET}"))
+    recipe = _tiny_recipe_file(tmp_path)
     proc = run_cli("import", recipe, src, "--layout", "sglang", "--name", "specforge")
     assert proc.returncode == 0, proc.stderr
     out = tmp_path / "out" / "imported" / "specforge"
@@ -205,3 +212,32 @@ def test_an_imported_head_is_evaluated_beside_the_runs_own(trained_run, tmp_path
     (comparison,) = report.comparisons
     assert comparison.name == "imported/peer" and [p.k for p in comparison.sweep] == [1, 2]
     assert all(p.lossless for p in comparison.sweep) and all(p.num_prompts == 2 for p in comparison.sweep)
+
+
+def test_a_second_import_or_export_of_the_same_name_refuses_and_the_first_finishes_whole(tmp_path):
+    """Two writers of one ``imported/NAME`` (or one export directory) at once: the second refuses in one line while
+    the first holds the name (paused there by the test hook), and the first then writes the whole head."""
+    import os
+    import shutil
+    import signal
+    import subprocess
+    import sys
+
+    src = _specforge_like(tmp_path)
+    recipe = _tiny_recipe_file(tmp_path)
+    commands = {"import": ["import", recipe, src, "--layout", "sglang", "--name", "x"],
+                "export": ["export", recipe, "head.kind=eagle3", "--format", "vllm", "--out", tmp_path / "exp"]}
+    for what, args in commands.items():
+        if what == "export":  # the imported head as the recipe's trained one
+            shutil.copytree(tmp_path / "out" / "imported" / "x", tmp_path / "out" / "heads" / "eagle3")
+        cmd = [sys.executable, "-m", "mtp_train.cli", *map(str, args)]
+        first = subprocess.Popen(cmd, cwd=REPO, env=pause_env("hold", 0, tmp_path / f"paused-{what}"),
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        (pid,) = paused_processes(tmp_path / f"paused-{what}", 1, first)
+        assert_one_line_user_error(run_cli(*args), "is being written by")
+        os.kill(pid, signal.SIGCONT)
+        assert first.wait(timeout=300) == 0, first.communicate()[1][-2000:]
+    head = load_file(tmp_path / "out" / "imported" / "x" / "model.safetensors")
+    assert torch.equal(head["draft_ids"], load_file(tmp_path / "out" / "heads" / "eagle3" / "model.safetensors")
+                       ["draft_ids"])
+    assert (tmp_path / "exp" / "config.json").is_file() and (tmp_path / "exp" / "model.safetensors").is_file()
