@@ -2,6 +2,7 @@
 
     make vllm                                   # once: vLLM's CPU build in its own virtualenv, .venv-vllm/
     .venv/bin/python bench/vllm_check.py RECIPE.yaml [KEY.PATH=VALUE ...] [--k 1 2 3 4] [--format speculators]
+                                         [--head imported/NAME]     # vLLM serves the file imported from
 
 For the recipe's trained ``eagle``, ``eagle3`` or ``dflash`` head (``head.kind=...``): ``mtp-train export
 --format vllm`` (or ``--format speculators``, an eagle3 head), then the
@@ -65,9 +66,9 @@ def serve(python: Path, job: dict, work: Path, name: str) -> dict:
     return json.loads((work / f"{name}.out.json").read_text())
 
 
-def runtime_runs(recipe, ks: list[int]) -> tuple[list, list[list[int]], list[list[int]], dict]:
-    """This runtime on the eval's prompts: the prompts, their token ids, plain greedy outputs, and per k the
-    speculative outputs, the vLLM-convention counts and τ."""
+def runtime_runs(recipe, ks: list[int], head: Path) -> tuple[list, list[list[int]], list[list[int]], dict]:
+    """This runtime on the eval's prompts with the head at ``head``: the prompts, their token ids, plain greedy
+    outputs, and per k the speculative outputs, the vLLM-convention counts and τ."""
     import torch
 
     from mtp_train.eval.metrics import engine_counts, pooled_tau
@@ -84,7 +85,7 @@ def runtime_runs(recipe, ks: list[int]) -> tuple[list, list[list[int]], list[lis
     # narrower batch would verify fewer drafts than vLLM does for the same outputs.
     engine = Engine.from_pretrained(recipe.target.path, dtype=torch.float32, device="cpu", kv_bytes=KV_BYTES)
     prompts, token_ids, _, _ = eval_prompts(recipe, engine)
-    drafter = head_drafter(engine, load_trained_head(recipe.head_dir(), recipe.target.path, engine.cfg))
+    drafter = head_drafter(engine, load_trained_head(head, recipe.target.path, engine.cfg))
     params = SamplingParams(temperature=0.0, max_new_tokens=recipe.eval.max_new_tokens)
     plain = [r.tokens for r in engine.generate(token_ids, params)]
     runs = {}
@@ -96,6 +97,22 @@ def runtime_runs(recipe, ks: list[int]) -> tuple[list, list[list[int]], list[lis
     return prompts, token_ids, plain, runs
 
 
+def imported_source(head: Path) -> tuple[Path, str]:
+    """The directory ``mtp-train import`` read the head at ``head`` from, and the head's kind."""
+    config = head / "config.json"
+    if not config.is_file():
+        raise UserError(f"--head: {head} holds no head; `mtp-train import RECIPE SRC_DIR --name NAME` writes one")
+    record = json.loads(config.read_text()).get("imported")
+    if not record:
+        raise UserError(f"--head: {head} was not written by `mtp-train import`; check a trained head by its "
+                        "head.kind instead")
+    source = Path(record["source"])
+    if not (source / "config.json").is_file():
+        raise UserError(f"--head: {source}, the file {head.name} was imported from, is gone; vLLM serves the head "
+                        "as its trainer wrote it, so import it again from where it is now")
+    return source, record["kind"]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("recipe", type=Path)
@@ -104,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--format", choices=("vllm", "speculators"), default="vllm",
                         help="the export format vLLM loads (speculators: eagle3 heads)")
     parser.add_argument("--vllm-python", type=Path, default=VLLM_PYTHON)
+    parser.add_argument("--head", metavar="imported/NAME", help="a head `mtp-train import` wrote: vLLM serves the "
+                        "file it was imported from, this runtime the imported head (instead of head.kind's)")
     parser.add_argument("--work", type=Path, help="keep vLLM's jobs, outputs and logs here (default: a temp dir)")
     args = parser.parse_args(argv)
     print(machine_line(), flush=True)
@@ -123,16 +142,23 @@ def check(args: argparse.Namespace) -> int:
     if not args.vllm_python.is_file():
         raise UserError(f"{args.vllm_python}: no vLLM environment; create it with `make vllm`")
     recipe = load_recipe(args.recipe, args.overrides)
-    if recipe.head.kind not in ("eagle", "eagle3", "dflash"):
+    if not args.head and recipe.head.kind not in ("eagle", "eagle3", "dflash"):
         raise UserError(f"head.kind: {recipe.head.kind!r}; vLLM serves eagle, eagle3 and dflash heads of this "
                         "target: add head.kind=eagle, eagle3 or dflash")
-    if args.format == "speculators" and recipe.head.kind != "eagle3":
-        raise UserError("--format speculators: holds eagle3 heads; add head.kind=eagle3")
+    if args.format == "speculators" and (args.head or recipe.head.kind != "eagle3"):
+        raise UserError("--format speculators: holds eagle3 heads; add head.kind=eagle3" if not args.head else
+                        "--format: vLLM serves an imported head as its file was written; leave --format out")
     ks = args.k or recipe.eval.k
     version = vllm_version(args.vllm_python)
-    exported = export_head(recipe, args.format)
+    if args.head:  # vLLM reads the file the peer wrote; this runtime, the head mtp-train import made of it
+        exported, method = imported_source(recipe.draft_dir(args.head))
+    else:
+        exported = export_head(recipe, args.format)
+        method = recipe.head.kind
+    written = json.loads((exported / "config.json").read_text())
     t0 = time.perf_counter()
-    prompts, token_ids, plain, ours = runtime_runs(recipe, ks)
+    head = recipe.draft_dir(args.head) if args.head else recipe.head_dir()
+    prompts, token_ids, plain, ours = runtime_runs(recipe, ks, head)
     print(f"vllm_check: this runtime: plain + k={ks} on {len(prompts)} prompts in {time.perf_counter() - t0:.0f}s",
           file=sys.stderr)
     work = args.work or Path(tempfile.mkdtemp(prefix="vllm_check-"))
@@ -142,8 +168,7 @@ def check(args: argparse.Namespace) -> int:
            "max_model_len": max(len(t) for t in token_ids) + e.max_new_tokens + max(ks) + 8}
     t0 = time.perf_counter()
     theirs_plain = serve(args.vllm_python, {**job, "head": None}, work, "plain")["tokens"]
-    method = recipe.head.kind
-    written = json.loads((exported / "config.json").read_text())  # a P-EAGLE head: vLLM drafts it in parallel
+    # a P-EAGLE head: vLLM drafts it in parallel
     parallel = written.get("parallel_drafting", False) or written.get("speculators_model_type") == "peagle"
     theirs = {k: serve(args.vllm_python, {**job, "head": str(exported), "k": k, "method": method, "parallel": parallel},
                        work, f"k{k}") for k in ks}
@@ -151,13 +176,14 @@ def check(args: argparse.Namespace) -> int:
           file=sys.stderr)
 
     date = time.strftime("%Y-%m-%d")
-    engine = f"vLLM {version} (CPU)" + (", speculators format" if args.format == "speculators" else "")
+    engine = f"vLLM {version} (CPU)" + (", speculators format" if args.format == "speculators" else
+                                        f", {args.head}'s own file" if args.head else "")
     checks = []
     same_plain = sum(a == b for a, b in zip(plain, theirs_plain))
-    print(f"\nvLLM {version} (CPU, float32) against this runtime, {recipe.target.path.name}, the {recipe.head.kind} "
-          f"head exported to {exported}; {len(prompts)} prompts ({', '.join(e.prompt_sets)}), T = 0, at most "
-          f"{e.max_new_tokens} new tokens. vLLM's plain output equals this runtime's plain output on "
-          f"{same_plain}/{len(prompts)} prompts.\n")
+    print(f"\nvLLM {version} (CPU, float32) against this runtime, {recipe.target.path.name}, the {method} "
+          f"head {'imported from' if args.head else 'exported to'} {exported}; {len(prompts)} prompts "
+          f"({', '.join(e.prompt_sets)}), T = 0, at most {e.max_new_tokens} new tokens. vLLM's plain output equals "
+          f"this runtime's plain output on {same_plain}/{len(prompts)} prompts.\n")
     print("| k | (a) vLLM spec = vLLM plain | (b) vLLM MAL | runtime MAL | difference | (c) vLLM accepted per position "
           "(of drafts) | runtime accepted per position (of drafts) | largest per-position difference | runtime τ | "
           "pass |\n|---:|---|---:|---:|---:|---|---|---:|---:|---|")
@@ -179,7 +205,7 @@ def check(args: argparse.Namespace) -> int:
     report_path = recipe.eval_dir / "report.json"
     if report_path.is_file():
         report = load_report(report_path)
-        if report.mode == recipe.head.kind:
+        if report.mode == recipe.head.kind and not args.head:
             report.engine_checks = [c for c in report.engine_checks if c.engine != engine or c.k not in ks] + checks
             write_report(report, report_path.parent)
             print(f"vllm_check: added to {report_path.parent / 'report.html'}", file=sys.stderr)

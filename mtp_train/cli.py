@@ -19,7 +19,7 @@ mtp-train {precompute,train,eval,report,export} RECIPE.yaml [KEY.PATH=VALUE ...]
 mtp-train verify FEATURES_DIR                               check every shard's checksum
 mtp-train precompute RECIPE.yaml [--overwrite] [--rank R --world-size W]
 mtp-train {eval,report} RECIPE.yaml [--baseline OLD/report.json]
-mtp-train export RECIPE.yaml --format {vllm,sglang,speculators} [--out DIR]
+mtp-train export RECIPE.yaml --format {vllm,sglang,speculators} [--out DIR] [--head imported/NAME]
 mtp-train import RECIPE.yaml SRC_DIR [KEY.PATH=VALUE ...] [--layout {speculators,vllm,sglang,eagle}] [--name NAME]
 mtp-train slurm RECIPE.yaml [KEY.PATH=VALUE ...] [--nodes N --gpus-per-node G --cpu ...] [--dry-run] [--wait]"""
 
@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--format", dest="export_format", required=True, choices=("vllm", "sglang", "speculators"),
                            help="the serving engine whose format to write")
             p.add_argument("--out", type=Path, help="output directory (default: OUTPUT_DIR/export/KIND-FORMAT)")
+            p.add_argument("--head", metavar="imported/NAME", help="export a head `mtp-train import` wrote instead of "
+                           "the recipe's trained head")
     imp = sub.add_parser("import", help=argparse.SUPPRESS)
     imp.add_argument("recipe", type=Path, metavar="RECIPE.yaml", help="the recipe (its target and output_dir)")
     imp.add_argument("source", type=Path, metavar="SRC_DIR", help="the head's directory (config.json and weights)")
@@ -143,7 +145,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _slurm(args, recipe)
     stages = STAGES if args.command == "run" else (STAGE_BY_NAME[args.command],)
     # Every refusal a planned stage makes from the recipe alone, before the first stage runs (and in a dry run).
-    check_recipe(recipe, stages, getattr(args, "export_format", None))
+    # (an imported head's format checks read its own config, when the export loads it)
+    check_recipe(recipe, stages, None if getattr(args, "head", None) else getattr(args, "export_format", None))
     if args.dry_run:
         disk = check_data(recipe, stages)
         check_memory(recipe, stages)
@@ -160,7 +163,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             if args.command == "precompute":
                 options.update(rank=args.rank, world=args.world_size)
         if stage.name == "export":
-            options.update(fmt=args.export_format, out=args.out)
+            options.update(fmt=args.export_format, out=args.out, name=args.head)
         if stage.name in ("eval", "report"):
             options["baseline"] = getattr(args, "baseline", None)
             options["full_run"] = args.command == "run"

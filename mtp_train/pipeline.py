@@ -102,11 +102,11 @@ STAGES: tuple[Stage, ...] = (
 )
 
 
-def _export(recipe: Recipe, fmt: str = "vllm", out: Path | None = None, **options) -> None:
+def _export(recipe: Recipe, fmt: str = "vllm", out: Path | None = None, name: str | None = None, **options) -> None:
     from mtp_train.export import export_head
 
-    path = export_head(recipe, fmt, out)
-    print(f"export: {_rel(path)} ({recipe.head.kind} head, {fmt} format; README.md is its model card)")
+    path = export_head(recipe, fmt, out, name)
+    print(f"export: {_rel(path)} ({name or recipe.head.kind + ' head'}, {fmt} format; README.md is its model card)")
 
 
 # Not part of a full run: exporting is asked for explicitly.

@@ -288,8 +288,9 @@ class Recipe(Section):
     def eval_dir(self) -> Path:
         return self.output_dir / "eval"
 
-    def export_dir(self, fmt: str) -> Path:
-        return self.output_dir / "export" / f"{self.head.kind}-{fmt}"
+    def export_dir(self, fmt: str, name: str | None = None) -> Path:
+        """``mtp-train export``'s default directory for the trained head, or the head ``name`` (``imported/NAME``)."""
+        return self.output_dir / "export" / f"{(name or self.head.kind).replace('/', '-')}-{fmt}"
 
     @property
     def slurm_dir(self) -> Path:

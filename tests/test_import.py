@@ -180,6 +180,16 @@ def test_the_import_command_writes_a_head_this_runtime_loads(tmp_path):
     assert head.spec.kind == "eagle3" and head.spec.draft_vocab == 1024
     proc = run_cli("import", recipe, tmp_path / "nowhere")
     assert_one_line_user_error(proc, "config.json: not found")
+    # `export --head imported/NAME` writes the imported head in another engine's format: speculators' layer names,
+    # the same weights, and a model card that says where the head came from
+    assert run_cli("export", recipe, "--format", "speculators", "--head", "imported/specforge").returncode == 0
+    converted = tmp_path / "out" / "export" / "imported-specforge-speculators"
+    written, peer = load_file(converted / "model.safetensors"), load_file(src / "model.safetensors")
+    assert written.keys() == {k.replace("midlayer.", "layers.0.") for k in peer}
+    assert all(torch.equal(written[k.replace("midlayer.", "layers.0.")], v) for k, v in peer.items())
+    assert f"imported from `{src.resolve()}` (sglang layout)" in (converted / "README.md").read_text()
+    proc = run_cli("export", recipe, "--format", "vllm", "--head", "imported/nobody")
+    assert_one_line_user_error(proc, "no head imported there", "mtp-train import")
 
 
 def test_an_imported_head_is_evaluated_beside_the_runs_own(trained_run, tmp_path):

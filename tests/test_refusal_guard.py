@@ -135,6 +135,8 @@ NOT_RECIPE = {
     "mtp_train/export.py::export_head: --format {}: choose one of {}": "a caller's format (the CLI's --format "
         "choices refuse another first)",
     "mtp_train/export.py::export_head: {}: no trained {} head; run `mtp-train train` fi": HEAD,
+    "mtp_train/export.py::export_head: {}: no head imported there; `mtp-train import RE": IMPORTED + " (export's "
+        "--head names it)",
     "mtp_train/export.py::_check_servable: {}/config.json: the head was trained in other co": HEAD + " (the "
         "conventions its config.json records)",
     "mtp_train/export.py::export_head: --format sglang: {} is an eagle3 head with norm_": HEAD + " (its "
