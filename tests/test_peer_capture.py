@@ -111,54 +111,15 @@ def test_vllm_serves_a_specforge_head_as_this_runtime_runs_its_import(tmp_path: 
     """SpecForge trains a head on the tiny target's own answers to the eval prompts (so that it accepts), and exports
     it; vLLM serves that file as SpecForge wrote it, this runtime the head `mtp-train import` made of it
     (``bench/vllm_check.py --head imported/NAME``): the same accepted counts at every draft position."""
-    import shutil
+    from peer_serving import assert_vllm_counts_equal_the_import, peer_target_rows
 
-    from conftest import TINY_TARGET, run_cli, vllm_check
-    from precompute_helpers import make_recipe
-    from safetensors.torch import save_file
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from mtp_train.eval.run import eval_prompts
-    from mtp_train.recipe import load_recipe
-    from mtp_train.runtime.engine import Engine
-    from mtp_train.runtime.sampling import SamplingParams
-
-    # The tiny target's tokenizer and template on 8 random layers: SpecForge's default aux layers of the shipped
-    # 4-layer target ([1, 1, 0]) repeat a layer, which no engine's eagle3 head takes
-    torch.manual_seed(0)
-    target = tmp_path / "target"
-    config = LlamaConfig.from_pretrained(TINY_TARGET, num_hidden_layers=8)
-    LlamaForCausalLM(config).save_pretrained(target)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-        shutil.copy(TINY_TARGET / name, target / name)
-    (tmp_path / "rows.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
-    recipe_path = make_recipe(tmp_path, tmp_path / "rows.jsonl", target={"path": str(target)}, eval={
-        "prompt_sets": ["mt_bench"], "max_prompts": 4, "max_new_tokens": 32, "k": [1, 3], "temperatures": [0.0]})
-    recipe = load_recipe(recipe_path)
-    engine = Engine.from_pretrained(target, num_pages=256)
-    _, prompts, _, _ = eval_prompts(recipe, engine)
-    answers = [r.tokens for r in engine.generate(prompts, SamplingParams(max_new_tokens=32))]
-    rows = [{"input_ids": p + a, "loss_mask": [0] * len(p) + [1] * len(a)} for p, a in zip(prompts, answers)]
-    (tmp_path / "tokens.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows * 4))
-    vocab = engine.cfg.vocab_size
-    used = sorted({t for a in answers for t in a} | set(range(512)))[:512]  # every answer id, then the lowest
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[used] = True
-    save_file({"d2t": torch.tensor(used) - torch.arange(512), "t2d": t2d}, tmp_path / "vocab.safetensors")
+    target, recipe, length = peer_target_rows(tmp_path)
     job = {"target": str(target), "tokens": str(tmp_path / "tokens.jsonl"),
-           "vocab": str(tmp_path / "vocab.safetensors"), "max_length": max(len(r["input_ids"]) for r in rows),
+           "vocab": str(tmp_path / "vocab.safetensors"), "max_length": length,
            "ttt_length": 3, "lr": 1e-2, "warmup_steps": 2, "total_steps": 40, "batch_size": 2, "seed": 0,
            "threads": 2, "out": str(tmp_path / "specforge")}
     (tmp_path / "job.json").write_text(json.dumps(job))
     proc = subprocess.run([str(PEERS_PYTHON), str(REPO / "bench" / "peers" / "specforge_run.py"),
                            str(tmp_path / "job.json")], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    proc = run_cli("import", recipe_path, tmp_path / "specforge" / "vllm", "--name", "specforge")
-    assert proc.returncode == 0, proc.stderr
-    proc = vllm_check(recipe_path, tmp_path / "work", "--head", "imported/specforge", "--k", "1", "3")
-    assert proc.returncode == 0 and "PASS" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
-    table = [line.split("|") for line in proc.stdout.splitlines() if line.startswith(("| 1 |", "| 3 |"))]
-    assert len(table) == 2
-    for cells in table:  # (c) vLLM's accepted per position (of drafts) and this runtime's, cell for cell
-        assert cells[6].strip() == cells[7].strip(), cells
-    assert int(table[0][6].split("(")[0]) > 0  # it accepts: the counts compare something
+    assert_vllm_counts_equal_the_import(recipe, tmp_path / "specforge" / "vllm", tmp_path / "work")

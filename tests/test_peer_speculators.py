@@ -128,3 +128,23 @@ def test_speculators_run_trains_and_writes_a_head(tmp_path: Path) -> None:
     assert imported.spec.aux_layers == (2, 4, 5)
     assert (imported.spec.norm_before_fc, imported.spec.norm_before_residual) == (
         bool(head.get("norm_before_fc")), bool(head.get("norm_before_residual")))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SPECULATORS_PYTHON.exists(), reason="no .venv-speculators (make speculators)")
+def test_vllm_serves_a_speculators_head_as_this_runtime_runs_its_import(tmp_path: Path) -> None:
+    """speculators trains a head on the tiny target's own answers to the eval prompts (so that it accepts) and writes
+    its own format; vLLM serves that file as written, this runtime the head `mtp-train import` made of it
+    (``bench/vllm_check.py --head imported/NAME``): the same accepted counts at every draft position."""
+    from peer_serving import assert_vllm_counts_equal_the_import, peer_target_rows
+
+    target, recipe, length = peer_target_rows(tmp_path)
+    job = {"target": str(target), "tokens": str(tmp_path / "tokens.jsonl"),
+           "vocab": str(tmp_path / "vocab.safetensors"), "max_length": length, "ttt_steps": 3, "lr": 1e-2,
+           "optimizer": "adamw", "total_steps": 40, "seq_len": 2 * length, "seed": 0, "threads": 2,
+           "out": str(tmp_path / "speculators")}
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    proc = subprocess.run([str(SPECULATORS_PYTHON), str(SCRIPT), str(tmp_path / "job.json")], capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert_vllm_counts_equal_the_import(recipe, tmp_path / "speculators" / "vllm", tmp_path / "work")
