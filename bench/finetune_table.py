@@ -38,7 +38,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.machine import machine_line  # noqa: E402
-from bench.scaling import _cli, _mean_se, _se  # noqa: E402
+from bench.scaling import _cli, _mean_se, _read, _se  # noqa: E402
+from mtp_train.io import write_atomic  # noqa: E402
 
 SOURCE_DATA = REPO / "data" / "sgd" / "sgd_train_sharegpt.jsonl.gz"
 ARMS = ("source", "finetuned", "scratch-equal", "scratch-total")
@@ -49,6 +50,10 @@ def _source(root: Path) -> list[str]:
     """The overrides that train on SGD's dialogues as written, into features of their own under ``root``."""
     return [f"data.train={SOURCE_DATA}", "data.format=sharegpt", "data.regenerate=false",
             f"precompute.features_dir={root / 'source-features'}"]
+
+
+def _run_dir(root: Path, arm: str, steps: int, fraction: float, seed: int) -> Path:
+    return root / f"{arm}-{steps}x{fraction:g}-s{seed}"
 
 
 def _steps(arm: str, steps: int, fraction: float) -> int:
@@ -62,10 +67,10 @@ def _point(recipe: Path, root: Path, arm: str, steps: int, fraction: float, seed
     from mtp_train.recipe import load_recipe
 
     base = load_recipe(recipe, extra)
-    out = root / f"{arm}-{steps}x{fraction:g}-s{seed}"
+    out = _run_dir(root, arm, steps, fraction, seed)
     n = _steps(arm, steps, fraction)
     answers = [f"precompute.features_dir={base.features_dir}"]
-    start = ([f"head.init_from={root / f'source-{steps}x{fraction:g}-s{seed}' / 'heads' / base.head.kind}"]
+    start = ([f"head.init_from={_run_dir(root, 'source', steps, fraction, seed) / 'heads' / base.head.kind}"]
              if arm == "finetuned" else [])
     common = [*extra, f"output_dir={out}", f"seed={seed}", "eval.compare=[]"]
     train_s = _cli("train", str(recipe), *common, *(_source(root) if arm == "source" else answers), *start,
@@ -89,10 +94,6 @@ def _key(r: dict) -> tuple:
     return r["recipe"], r["arm"], r["source_steps"], r["fraction"], r["seed"]
 
 
-def _read(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-
-
 def run(args: argparse.Namespace) -> None:
     recipe = Path(args.recipe).resolve()
     results = Path(args.results or REPO / "bench" / "finetune" / f"{recipe.stem}.jsonl")
@@ -109,13 +110,11 @@ def run(args: argparse.Namespace) -> None:
                       file=sys.stderr)
                 continue
             if args.retrain:
-                shutil.rmtree(root / f"{arm}-{args.steps}x{args.fraction:g}-s{seed}", ignore_errors=True)
+                shutil.rmtree(_run_dir(root, arm, args.steps, args.fraction, seed), ignore_errors=True)
             started = time.perf_counter()
             point = _point(recipe, root, arm, args.steps, args.fraction, seed, args.override)
             kept = [r for r in _read(results) if _key(r) != key]
-            tmp = results.with_suffix(".tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in [*kept, point]))
-            tmp.replace(results)
+            write_atomic(results, "".join(json.dumps(r) + "\n" for r in [*kept, point]))
             print(f"finetune: {arm} seed {seed}: tau@{K} {point['tau']:.3f}, alpha1 {point['alpha1']:.3f} "
                   f"({time.perf_counter() - started:.0f} s)", file=sys.stderr)
 

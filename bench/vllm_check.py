@@ -145,19 +145,20 @@ def check(args: argparse.Namespace) -> int:
     if not args.head and recipe.head.kind not in ("eagle", "eagle3", "dflash"):
         raise UserError(f"head.kind: {recipe.head.kind!r}; vLLM serves eagle, eagle3 and dflash heads of this "
                         "target: add head.kind=eagle, eagle3 or dflash")
-    if args.format == "speculators" and (args.head or recipe.head.kind != "eagle3"):
-        raise UserError("--format speculators: holds eagle3 heads; add head.kind=eagle3" if not args.head else
-                        "--format: vLLM serves an imported head as its file was written; leave --format out")
+    if args.format == "speculators" and args.head:
+        raise UserError("--format: vLLM serves an imported head as its file was written; leave --format out")
+    if args.format == "speculators" and recipe.head.kind != "eagle3":
+        raise UserError("--format speculators: holds eagle3 heads; add head.kind=eagle3")
     ks = args.k or recipe.eval.k
     version = vllm_version(args.vllm_python)
+    head = recipe.draft_dir(args.head) if args.head else recipe.head_dir()
     if args.head:  # vLLM reads the file the peer wrote; this runtime, the head mtp-train import made of it
-        exported, method = imported_source(recipe.draft_dir(args.head))
+        exported, method = imported_source(head)
     else:
         exported = export_head(recipe, args.format)
         method = recipe.head.kind
     written = json.loads((exported / "config.json").read_text())
     t0 = time.perf_counter()
-    head = recipe.draft_dir(args.head) if args.head else recipe.head_dir()
     prompts, token_ids, plain, ours = runtime_runs(recipe, ks, head)
     print(f"vllm_check: this runtime: plain + k={ks} on {len(prompts)} prompts in {time.perf_counter() - t0:.0f}s",
           file=sys.stderr)
