@@ -12,6 +12,7 @@ The answers are kept and reused as ``mtp_train.data.answers`` describes.
 from __future__ import annotations
 
 import itertools
+import time
 import sys
 from typing import Any
 
@@ -22,7 +23,7 @@ from mtp_train.recipe import SamplingConfig
 from mtp_train.runtime.engine import Engine
 from mtp_train.runtime.sampling import SamplingParams
 from mtp_train.runtime.sequence import Status
-from mtp_train.data.answers import SAVE_ROWS, AnswerFile
+from mtp_train.data.answers import SAVE_ROWS, SAVE_SECONDS, AnswerFile
 from mtp_train.data.dataset import Row
 from mtp_train.io import crash_point
 
@@ -46,6 +47,7 @@ def regenerate(rows: list[Row], tokenizer: Any, engine: Engine, sampling: Sampli
     """
     write = file is None or file.write
     save_rows = file.save_rows if file is not None else SAVE_ROWS
+    save_seconds = file.save_seconds if file is not None else SAVE_SECONDS
     done = file.read() if file is not None else {}
     chats = [Row(r.row_id, [dict(m) for m in r.content]) for r in rows
              if not isinstance(r.content, str) and r.row_id not in done]
@@ -74,8 +76,11 @@ def regenerate(rows: list[Row], tokenizer: Any, engine: Engine, sampling: Sampli
     saves = answers = 0
     progress = Progress("regenerate", total, "rows", initial=len(done), enabled=write and bool(chats), every=every)
 
+    last_save = time.monotonic()
+
     def save() -> None:
-        nonlocal finished, saves
+        nonlocal finished, saves, last_save
+        last_save = time.monotonic()
         if file is not None and write and finished:
             file.append(finished)
             crash_point("regenerate", saves)
@@ -103,7 +108,7 @@ def regenerate(rows: list[Row], tokenizer: Any, engine: Engine, sampling: Sampli
                 if j + 1 == len(turns[r.row_id]) or not submit(r, j + 1):
                     finished.append(r)
             rows_done = len(done) + len(finished)
-            if len(finished) >= save_rows:
+            if len(finished) >= save_rows or (finished and time.monotonic() - last_save >= save_seconds):
                 save()
             progress.update(rows_done - progress.done, tokens, note=f"{answers:,} answers")
         save()

@@ -78,3 +78,17 @@ def test_a_conversation_ends_where_precompute_would_truncate(parts):
         # the second answer's prompt (first turn, its answer, the next user turn) is over the limit: not generated
         assert [m["role"] for m in cut.content] == ["user", "assistant"]
         assert cut.content == whole.content[:2]
+
+
+@pytest.mark.parametrize("seconds, appends", [(3600.0, 1), (0.0, None)])
+def test_answers_are_appended_by_time_as_well_as_by_count(parts, tmp_path, monkeypatch, seconds, appends):
+    """Rows that finish at different steps, a count never reached: with no time bound they are written once, at the
+    end; with a bound of 0 s, as each step finishes some (so a kill among slow, long rows loses little)."""
+    rows, tokenizer, engine = parts
+    calls: list[int] = []
+    append = AnswerFile.append
+    monkeypatch.setattr(AnswerFile, "append", lambda self, done: calls.append(len(done)) or append(self, done))
+    path = tmp_path / "regenerated.rank-00000.jsonl"
+    regenerate(rows, tokenizer, engine, SAMPLING, file=AnswerFile(path, "fp", save_rows=1000, save_seconds=seconds))
+    assert sum(calls) == len(rows) and len(path.read_text().splitlines()) == len(rows) + 1
+    assert (len(calls) == appends) if appends else (len(calls) > 1), calls

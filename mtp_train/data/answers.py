@@ -2,7 +2,8 @@
 ``{"fingerprint": ...}`` (target, tokenizer, chat template, data files, sampling with its seed, and
 ``data.max_length``; not ``max_rows``, so a run over more rows reuses the answers it has), then one line per
 regenerated row, ``{"row_id": N, "messages": [...]}`` (the ``openai`` row format), appended and fsync'd as
-rows finish (every ``save_rows`` rows). A rerun keeps the rows the file already holds (a torn last line from a
+rows finish (every ``save_rows`` rows, or sooner once ``save_seconds`` have passed, so a kill among long rows
+loses at most that much generation). A rerun keeps the rows the file already holds (a torn last line from a
 kill is cut off) and generates only the rest; a file with another fingerprint is started afresh. The file
 survives ``precompute --overwrite``, so changing what is stored (layers, top-K) does not regenerate.
 
@@ -23,6 +24,7 @@ from mtp_train.data.dataset import Row
 
 
 SAVE_ROWS = 64
+SAVE_SECONDS = 120.0
 
 
 def regenerated_path(features: Path, rank: int) -> Path:
@@ -71,12 +73,14 @@ def _append(path: Path, lines: list[str], header: str | None) -> None:
 @dataclass(frozen=True)
 class AnswerFile:
     """Where ``regenerate`` keeps its answers to reuse them (module docstring): ``path``, reused only when its header
-    carries ``fingerprint``; finished rows are appended ``save_rows`` at a time. Under tensor parallelism every rank
+    carries ``fingerprint``; finished rows are appended ``save_rows`` at a time, or when ``save_seconds`` have
+    passed since the last append. Under tensor parallelism every rank
     reads it, and only the leader (``write``) writes it and prints."""
 
     path: Path
     fingerprint: str
     save_rows: int = SAVE_ROWS
+    save_seconds: float = SAVE_SECONDS
     write: bool = True
 
     def read(self) -> dict[int, list[dict[str, str]]]:
