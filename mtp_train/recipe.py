@@ -144,8 +144,11 @@ class PrecomputeConfig(Section):
 class TrainConfig(Section):
     """Stage 2: training the head."""
 
-    lr: PositiveFloat = Field(1e-3, description="Peak learning rate of AdamW.")
-    weight_decay: NonNegativeFloat = Field(0.0, description="AdamW weight decay.")
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw", description="`adamw`; or `muon`: torch's Muon over the head's hidden 2-D matrices, AdamW over the "
+        "rest (norms, biases, a draft lm_head), one lr (Muon scaled to AdamW's update RMS). Not under DeepSpeed.")
+    lr: PositiveFloat = Field(1e-3, description="Peak learning rate.")
+    weight_decay: NonNegativeFloat = Field(0.0, description="Weight decay (decoupled, every part of the optimizer).")
     warmup_steps: NonNegativeInt = Field(50, description="Linear warmup steps, then cosine decay.")
     epochs: PositiveFloat = Field(1.0, description="Passes over the training features.")
     batch_tokens: PositiveInt = Field(8192, description="Tokens per micro-batch per process.")
@@ -214,6 +217,9 @@ class TrainConfig(Section):
     def _some_loss(self) -> TrainConfig:
         if self.w_hidden == 0 and self.w_logits == 0:
             raise ValueError("w_hidden and w_logits are both 0; set at least one above 0")
+        if self.optimizer == "muon" and self.engine == "deepspeed":
+            raise ValueError("optimizer muon runs under engine ddp only (DeepSpeed ZeRO partitions AdamW's state); "
+                             "set train.engine: ddp or train.optimizer: adamw")
         return self
 
 

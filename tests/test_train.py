@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, TINY_TARGET, run_cli
+from conftest import REPO, TINY_TARGET, assert_one_line_user_error, run_cli
 from mtp_train.errors import UserError
 from mtp_train.heads import build_head, head_spec
 from mtp_train.heads.frozen import FrozenTarget
@@ -283,6 +283,24 @@ def test_corrupt_checkpoint_is_a_one_line_error(tmp_path, features):
     proc = run_train_cli(recipe)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "checkpoint is corrupt" in proc.stderr and "step-00000002" in proc.stderr
+
+
+@pytest.mark.slow
+def test_muon_resumes_its_own_state_and_a_checkpoint_of_another_optimizer_is_refused(tmp_path, features):
+    """``train.optimizer: muon`` trains, resumes from its checkpoint to the uninterrupted run's losses (its state dict
+    holds both parts), and a checkpoint of the other optimizer is refused in one line naming both."""
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "killed"
+    for d in (ref_dir, run_dir):
+        d.mkdir()
+    assert run_train_cli(train_recipe(ref_dir, features, max_steps=8), "train.optimizer=muon").returncode == 0
+    recipe = train_recipe(run_dir, features, max_steps=8)
+    assert run_train_cli(recipe, "train.optimizer=muon", "train.max_steps=4").returncode == 0
+    assert_one_line_user_error(run_train_cli(recipe), "step-00000004", "holds muon's state",
+                               "train.optimizer adamw", "resume with train.optimizer=muon")
+    resumed = run_train_cli(recipe, "train.optimizer=muon")
+    assert resumed.returncode == 0 and "resuming at step 4" in resumed.stderr, resumed.stderr[-2000:]
+    losses = [r["loss"] for r in log(ref_dir)]
+    assert [r["loss"] for r in log(run_dir)] == losses and losses[-1] < losses[0]
 
 
 def test_head_config_with_another_hidden_size_is_refused(tmp_path):

@@ -129,9 +129,14 @@ def load_checkpoint(root: Path, head: DraftHead, scheduler) -> tuple[Path, dict[
     return path, state
 
 
-def load_optimizer_shard(path: Path, state: dict[str, Any], rank: int, world: int, sharded: bool) -> dict[str, Any]:
-    """This rank's optimizer state from checkpoint ``path`` (rank 0's when the state is replicated)."""
-    shards = int(state.get("optimizer_shards", 1))
+def load_optimizer_shard(path: Path, state: dict[str, Any], rank: int, world: int, sharded: bool,
+                         optimizer: str) -> dict[str, Any]:
+    """This rank's optimizer state from checkpoint ``path`` (rank 0's when the state is replicated), which must be
+    that of ``optimizer`` (``train.optimizer``; a checkpoint that names none is AdamW's)."""
+    shards, saved = int(state.get("optimizer_shards", 1)), state.get("optimizer", "adamw")
+    if saved != optimizer:
+        raise UserError(f"{path}: the checkpoint holds {saved}'s state and the recipe asks for train.optimizer "
+                        f"{optimizer}; resume with train.optimizer={saved}, or start over")
     if sharded and shards != world:
         raise UserError(f"{path}: the checkpoint's optimizer state is split over {shards} ZeRO rank(s); "
                         f"resume with {shards} process(es), or start over")
@@ -227,6 +232,17 @@ def head_identity(root: Path) -> str:
     if not weights.is_file() or not config.is_file():
         raise UserError(f"{root}: no head here (config.json and model.safetensors)")
     return "head:" + text_fingerprint(config.read_text(errors="replace")) + str(weights.stat().st_size)
+
+
+def training_fingerprint(recipe: Any, features: dict[str, Any], init_from: str | None) -> str:
+    """What a finished head records as its training (``head_is_complete``): the train and head sections, the seed, the
+    features' fingerprint and an initial head's identity. The τ probe's settings measure the head and do not change
+    it; AdamW, named or not, keeps the fingerprints of heads trained before ``train.optimizer`` was a field."""
+    train = recipe.train.model_dump(mode="json", exclude={"tau_every", "tau_prompts", "tau_tokens"} |
+                                    ({"optimizer"} if recipe.train.optimizer == "adamw" else set()))
+    return text_fingerprint(json.dumps({"recipe_train": train, "head": recipe.head.model_dump(mode="json"),
+                                        "seed": recipe.seed, "features": features, "init_from": init_from},
+                                       sort_keys=True))
 
 
 def head_is_complete(root: Path, training_fingerprint: str) -> bool:

@@ -16,7 +16,6 @@ optimizer step every rank agrees on it, a checkpoint is written, and the process
 
 from __future__ import annotations
 
-import json
 import signal
 import sys
 import time
@@ -39,17 +38,18 @@ from mtp_train.progress import Progress
 from mtp_train.recipe import Recipe
 from mtp_train.threads import leave_signals_to_main_thread, set_threads, warn_if_oversubscribed
 from mtp_train.train.checkpoint import (begin_checkpoint, finish_checkpoint, head_identity, head_is_complete,
-                                        load_checkpoint, load_optimizer_shard, save_head, save_optimizer_shard)
+                                        load_checkpoint, load_optimizer_shard, save_head, save_optimizer_shard,
+                                        training_fingerprint)
 from mtp_train.train.data import Batch, BatchPlan, load_batch, plan_batches, plan_rank
 from mtp_train.train.initial import initial_head
 from mtp_train.train.distributed import (EXIT_STOPPED, StopRequest, make_accelerator, optimizer_state, rank_digests,
                                          restore_optimizer, train_precision, warmup_cosine)
 from mtp_train.train.loss import LossWeights, StepMetrics
 from mtp_train.train.objective import heldout_batches, loss_weights, objective, validate
+from mtp_train.train.optimizer import build_optimizer
 from mtp_train.train.records import append_record, logged_tokens, start_wandb, trim_log
 from mtp_train.train.recipe_checks import init_head_spec, recipe_head_spec
 from mtp_train.train.vocab import aux_indices
-from mtp_train.features.manifest import text_fingerprint
 from mtp_train.features.online import Features, OnlineFeatures, open_features
 from mtp_train.train.online import OnlineScoring
 
@@ -118,10 +118,8 @@ class TrainInputs:
         target = reader.manifest.fingerprint["target"]
         spec = (init_head_spec(recipe, frozen.cfg, target) if h.init_from is not None else
                 recipe_head_spec(recipe, frozen.cfg, target, tuple(reader.manifest.layers[i] + 1 for i in aux)))
-        train_key = text_fingerprint(json.dumps(  # (the τ probe's settings measure the head and do not change it)
-            {"recipe_train": recipe.train.model_dump(mode="json", exclude={"tau_every", "tau_prompts", "tau_tokens"}),
-             "head": recipe.head.model_dump(mode="json"), "seed": recipe.seed, "features": reader.manifest.fingerprint,
-             "init_from": head_identity(h.init_from) if h.init_from is not None else None}, sort_keys=True))
+        init = head_identity(h.init_from) if h.init_from is not None else None
+        train_key = training_fingerprint(recipe, reader.manifest.fingerprint, init)
         return cls(recipe, reader, frozen, spec, aux, train_key)
 
 
@@ -178,7 +176,7 @@ class Trainer:
         torch.manual_seed(recipe.seed)
         total = lambda counts: accelerator.reduce(counts.to(accelerator.device), "sum").cpu()  # noqa: E731
         head = initial_head(recipe, inputs.spec, inputs.frozen, reader, accelerator.process_index, world, total)
-        optimizer = torch.optim.AdamW(head.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
+        optimizer = build_optimizer(head, t.optimizer, t.lr, t.weight_decay)
         frozen = inputs.frozen.to(accelerator.device)  # the head goes there in prepare; frozen parts, batches here
         per_epoch = len(plan_batches(reader.train, t.batch_tokens, recipe.seed, 0)) // (world * t.grad_accum)
         if per_epoch == 0:
@@ -191,7 +189,8 @@ class Trainer:
         model, optimizer = accelerator.prepare(head, optimizer)  # not the scheduler (see its field)
         zero = t.engine == "deepspeed"
         if saved:
-            restore_optimizer(optimizer, load_optimizer_shard(*saved, accelerator.process_index, world, zero), zero)
+            restore_optimizer(optimizer, load_optimizer_shard(*saved, accelerator.process_index, world, zero,
+                                                                  t.optimizer), zero)
         if accelerator.is_main_process:
             recipe.output_dir.mkdir(parents=True, exist_ok=True)
             if recipe.train_log.exists():
@@ -352,7 +351,8 @@ class Trainer:
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             finish_checkpoint(root, step, accelerator.unwrap_model(self.model), self.scheduler,
-                              {"epoch": epoch, "batch_in_epoch": index + 1, "per_epoch": self.per_epoch},
+                              {"epoch": epoch, "batch_in_epoch": index + 1, "per_epoch": self.per_epoch,
+                               "optimizer": self.recipe.train.optimizer},
                               accelerator.num_processes if self.zero else 1, self.recipe.train.keep_checkpoints)
         accelerator.wait_for_everyone()
 
