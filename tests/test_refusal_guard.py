@@ -106,6 +106,7 @@ NOT_RECIPE = {
     "mtp_train/train/checkpoint.py::load_checkpoint: {}: names {}, which is not a checkpoint director": HEAD,
     "mtp_train/train/checkpoint.py::load_optimizer_shard: {}: the checkpoint's optimizer state is split ov": HEAD,
     "mtp_train/train/checkpoint.py::load_optimizer_shard: {}: the checkpoint was written by DeepSpeed ZeRO": HEAD,
+    "mtp_train/train/checkpoint.py::load_optimizer_shard: {}: the checkpoint holds {}'s state and the reci": HEAD,
     "mtp_train/train/checkpoint.py::head_from_hf: {}: head tensor {} is missing": HEAD,
     "mtp_train/train/checkpoint.py::head_from_hf: {}: tensors do not fit the head's config ({})": HEAD,
     "mtp_train/train/checkpoint.py::load_head: {}: head was built for hidden size {} and vocab": HEAD,
