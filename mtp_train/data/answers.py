@@ -74,8 +74,8 @@ def _append(path: Path, lines: list[str], header: str | None) -> None:
 class AnswerFile:
     """Where ``regenerate`` keeps its answers to reuse them (module docstring): ``path``, reused only when its header
     carries ``fingerprint``; finished rows are appended ``save_rows`` at a time, or when ``save_seconds`` have
-    passed since the last append. Under tensor parallelism every rank
-    reads it, and only the leader (``write``) writes it and prints."""
+    passed since the last append. Under tensor parallelism every rank reads it, and only the leader (``write``)
+    writes it and prints."""
 
     path: Path
     fingerprint: str
