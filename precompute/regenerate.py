@@ -46,8 +46,7 @@ def regenerate(rows: list[Row], tokenizer: Any, engine: Engine, sampling: Sampli
     (``AnswerFile.write``).
     """
     write = file is None or file.write
-    save_rows = file.save_rows if file is not None else SAVE_ROWS
-    save_seconds = file.save_seconds if file is not None else SAVE_SECONDS
+    save_rows, save_seconds = (file.save_rows, file.save_seconds) if file is not None else (SAVE_ROWS, SAVE_SECONDS)
     done = file.read() if file is not None else {}
     chats = [Row(r.row_id, [dict(m) for m in r.content]) for r in rows
              if not isinstance(r.content, str) and r.row_id not in done]
