@@ -12,8 +12,8 @@ The answers are kept and reused as ``mtp_train.data.answers`` describes.
 from __future__ import annotations
 
 import itertools
-import time
 import sys
+import time
 from typing import Any
 
 import torch
