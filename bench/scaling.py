@@ -56,7 +56,8 @@ PROMPTS = 16
 HEAD_FIELDS = {
     "mtp": ("num_layers", "init", "convention"),
     "eagle": ("num_layers", "convention"),
-    "eagle3": ("num_layers", "aux_layers", "draft_vocab", "fc_norm", "norm_output", "parallel_drafts", "mask_token_id"),
+    "eagle3": ("num_layers", "aux_layers", "draft_vocab", "fc_norm", "norm_output", "parallel_drafts", "mask_token_id",
+               "norm_before_fc", "norm_before_residual"),
     "dflash": ("num_layers", "aux_layers", "block_size", "mask_token_id", "fc_norm"),
 }
 PER_POINT = {"epochs", "max_steps", "save_every", "keep_checkpoints", "val_every", "tau_every", "tau_prompts",
@@ -69,10 +70,13 @@ def settings(recipe: Path, head: str, extra: list[str]) -> dict:
     ``{"head.x": value, "train.y": value}`` (the kind's head fields, every train field but the per-point ones)."""
     from mtp_train.recipe import load_recipe
 
+    from mtp_train.train.checkpoint import LATER_HEAD_FIELDS, LATER_TRAIN_FIELDS, without_later
+
     r = load_recipe(recipe, [f"head.kind={head}", *extra])
-    h, t = r.head.model_dump(mode="json"), r.train.model_dump(mode="json")
+    h = without_later(r.head.model_dump(mode="json"), LATER_HEAD_FIELDS)  # points from before a field keep their key
+    t = without_later(r.train.model_dump(mode="json"), LATER_TRAIN_FIELDS)
     skip = PER_POINT | (set() if head == "dflash" else DFLASH_ONLY)
-    return {**{f"head.{k}": h[k] for k in HEAD_FIELDS[head]},
+    return {**{f"head.{k}": h[k] for k in HEAD_FIELDS[head] if k in h},
             **{f"train.{k}": v for k, v in t.items() if k not in skip}}
 
 

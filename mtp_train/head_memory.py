@@ -54,7 +54,8 @@ def _plan_spec(recipe: Recipe, cfg: ModelConfig, kind: str | None = None):
     return head_spec(kind, h.num_layers, cfg, "plan", h.convention,
                      tuple(aux_layers_for(h.aux_layers, cfg)) if kind in AUX_KINDS else (),
                      draft_vocab_size(h.draft_vocab, cfg.vocab_size) if eagle3 else 0, h.block_size,
-                     h.mask_id(cfg.vocab_size), h.fc_norm, h.norm_output, h.parallel_drafts or 0, h.window or 0)
+                     h.mask_id(cfg.vocab_size), h.fc_norm, h.norm_output, h.parallel_drafts or 0, h.window or 0,
+                     h.norm_before_fc, h.norm_before_residual)
 
 
 def autocast_dtype(recipe: Recipe) -> torch.dtype | None:

@@ -149,7 +149,10 @@ class TrainConfig(Section):
         "rest (norms, biases, a draft lm_head), one lr (Muon scaled to AdamW's update RMS). Not under DeepSpeed.")
     lr: PositiveFloat = Field(1e-3, description="Peak learning rate.")
     weight_decay: NonNegativeFloat = Field(0.0, description="Weight decay (decoupled, every part of the optimizer).")
-    warmup_steps: NonNegativeInt = Field(50, description="Linear warmup steps, then cosine decay.")
+    warmup_steps: NonNegativeInt = Field(50, description="Linear warmup steps, then `lr_schedule`'s decay.")
+    lr_schedule: Literal["cosine", "linear"] = Field(
+        "cosine", description="The decay after warmup: `cosine` to 10% of `lr` at the last step, or `linear` to 0 "
+        "(speculators' default and transformers' `get_linear_schedule_with_warmup`).")
     epochs: PositiveFloat = Field(1.0, description="Passes over the training features.")
     batch_tokens: PositiveInt = Field(8192, description="Tokens per micro-batch per process.")
     grad_accum: PositiveInt = Field(1, description="Micro-batches per optimizer step.")

@@ -58,6 +58,15 @@ class HeadConfig(Section):
         "reads the previous step's output after the head's final `norm` instead of before it; the logits are "
         "unchanged. Exported as `norm_output: true`; adds no weights.",
     )
+    norm_before_fc: bool = Field(
+        False, description="`eagle3`: one RMSNorm over the concatenated aux states before `fc` (before any `fc_norm`), "
+        "exported as `input_norm` with `norm_before_fc: true`, as speculators (its default) and vLLM read it.",
+    )
+    norm_before_residual: bool = Field(
+        False, description="`eagle3`: the decoder layer's residual is the hidden input after `hidden_norm` instead of "
+        "before it (speculators' default, vLLM's `norm_before_residual`); adds no weights. SGLang 0.5.23 has no such "
+        "setting, so its export is refused.",
+    )
     window: int | None = Field(
         None, ge=2, description="Tokens of context the head's attention sees (a sliding window, as "
         "vLLM's `sliding_window`): a query at position p attends to keys at positions above p - window only, in "

@@ -59,13 +59,17 @@ def trained_heads_take_the_train_settings(recipe: Any) -> None:
 
 
 def eagle3_norms_need_an_eagle3_head(recipe: Any) -> None:
-    """``head.fc_norm`` and ``head.norm_output`` are EAGLE 3.1's options: they change an eagle3 head only, so a recipe
-    that trains none (``head.kind``, ``eval.compare``) would set them for nothing."""
+    """``head.fc_norm``, ``head.norm_output`` (EAGLE 3.1's), ``head.norm_before_fc`` and ``head.norm_before_residual``
+    (speculators') change an eagle3 head only, so a recipe that trains none (``head.kind``, ``eval.compare``) would
+    set them for nothing."""
+    if recipe.head.fc_norm and recipe.head.norm_before_fc:
+        raise ValueError("head.norm_before_fc: one norm over the concatenation, where head.fc_norm gives each aux "
+                         "layer its own; speculators refuses the two together: set one of them false")
     if "eagle3" in recipe.head_kinds():
         return
-    for name in ("fc_norm", "norm_output"):
+    for name in ("fc_norm", "norm_output", "norm_before_fc", "norm_before_residual"):
         if getattr(recipe.head, name):
-            raise ValueError(f"head.{name}: applies to eagle3 heads only (EAGLE 3.1), and this recipe trains "
+            raise ValueError(f"head.{name}: applies to eagle3 heads only, and this recipe trains "
                              f"{', '.join(recipe.head_kinds()) or 'no head'}; set head.kind: eagle3 or head.{name}: "
                              "false")
 

@@ -175,9 +175,24 @@ def test_a_head_without_the_options_exports_them_off(tmp_path):
 def test_the_options_are_refused_for_a_recipe_that_trains_no_eagle3_head():
     from mtp_train.recipe import load_recipe
 
-    for name in ("fc_norm", "norm_output"):
+    for name in ("fc_norm", "norm_output", "norm_before_fc", "norm_before_residual"):
         with pytest.raises(UserError, match=rf"head.{name}: applies to eagle3 heads only.*set head.kind: eagle3"):
             load_recipe(TINY_RECIPE, [f"head.{name}=true"])  # head.kind mtp, eval.compare eagle and bigram
     assert load_recipe(TINY_RECIPE, ["head.fc_norm=true", "eval.compare=[eagle3]"]).head.fc_norm  # a compared eagle3
     recipe = load_recipe(TINY_RECIPE, ["head.kind=eagle3", "head.fc_norm=true", "head.norm_output=true"])
     assert (recipe.head.fc_norm, recipe.head.norm_output) == (True, True)
+
+
+def test_speculators_norms_are_recipe_fields_that_reach_the_trained_head():
+    from mtp_train.recipe import load_recipe
+    from mtp_train.train.recipe_checks import recipe_head_spec
+
+    recipe = load_recipe(TINY_RECIPE, ["head.kind=eagle3", "head.norm_before_fc=true",
+                                       "head.norm_before_residual=true"])
+    spec = recipe_head_spec(recipe, CFG, "fp", (1, 2, 3))
+    assert (spec.norm_before_fc, spec.norm_before_residual) == (True, True)
+    assert "input_norm.weight" in build_head(spec).state_dict()
+    with pytest.raises(UserError, match="head.norm_before_fc: .*speculators refuses the two together"):
+        load_recipe(TINY_RECIPE, ["head.kind=eagle3", "head.norm_before_fc=true", "head.fc_norm=true"])
+    plain = recipe_head_spec(load_recipe(TINY_RECIPE, ["head.kind=eagle3"]), CFG, "fp", (1, 2, 3))
+    assert (plain.norm_before_fc, plain.norm_before_residual) == (False, False)

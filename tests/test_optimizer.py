@@ -1,17 +1,23 @@
 """``train.optimizer``: Muon over the head's hidden matrices and AdamW over the rest, stepped and scheduled as one
-optimizer whose state round-trips; refused under DeepSpeed."""
+optimizer whose state round-trips; refused under DeepSpeed. ``train.lr_schedule``: cosine to 10% or linear to 0.
+Fields added later keep the training fingerprints of earlier heads at their old values."""
 
 from __future__ import annotations
 
 import io
+import json
 
 import pytest
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from conftest import TINY_TARGET, assert_one_line_user_error, run_cli
+from conftest import TINY_RECIPE, TINY_TARGET, assert_one_line_user_error, run_cli
+from mtp_train.features.manifest import text_fingerprint
 from mtp_train.heads import build_head, head_spec
 from mtp_train.heads.frozen import FrozenTarget
+from mtp_train.recipe import load_recipe
+from mtp_train.train.checkpoint import training_fingerprint
+from mtp_train.train.distributed import lr_factor
 from mtp_train.train.optimizer import MuonAdamW, build_optimizer, muon_split
 from precompute_helpers import make_recipe
 
@@ -84,3 +90,26 @@ def test_its_state_round_trips_through_a_weights_only_file(frozen):
 def test_muon_under_deepspeed_is_refused_in_one_line(tmp_path):
     recipe = make_recipe(tmp_path, tmp_path / "none.jsonl", train={"optimizer": "muon", "engine": "deepspeed"})
     assert_one_line_user_error(run_cli("train", recipe, "--dry-run"), "train", "optimizer muon runs under engine ddp")
+
+
+def test_the_schedules_share_the_warmup_and_end_at_a_tenth_or_at_zero():
+    cosine, linear = lr_factor(4, 20), lr_factor(4, 20, "linear")
+    assert [cosine(s) for s in range(4)] == [linear(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert cosine(4) == linear(4) == 1.0
+    assert linear(12) == pytest.approx(0.5) and cosine(12) == pytest.approx(0.55)
+    assert (linear(20), cosine(20)) == (pytest.approx(0.0), pytest.approx(0.1))
+    assert all(linear(s) > linear(s + 1) for s in range(4, 20))
+
+
+@pytest.mark.parametrize("override", ["train.optimizer=muon", "train.lr_schedule=linear",
+                                      "head.norm_before_fc=true", "head.norm_before_residual=true"])
+def test_a_later_field_counts_in_the_fingerprint_only_off_its_old_value(override):
+    default = load_recipe(TINY_RECIPE, ["head.kind=eagle3"])
+    train = default.train.model_dump(mode="json", exclude={"tau_every", "tau_prompts", "tau_tokens",
+                                                             "optimizer", "lr_schedule"})
+    head = default.head.model_dump(mode="json", exclude={"norm_before_fc", "norm_before_residual"})
+    before = text_fingerprint(json.dumps({"recipe_train": train, "head": head, "seed": default.seed,
+                                          "features": {"f": 1}, "init_from": None}, sort_keys=True))
+    assert training_fingerprint(default, {"f": 1}, None) == before  # what a head trained before these fields had
+    changed = load_recipe(TINY_RECIPE, ["head.kind=eagle3", override])
+    assert training_fingerprint(changed, {"f": 1}, None) != before

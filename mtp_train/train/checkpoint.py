@@ -234,15 +234,27 @@ def head_identity(root: Path) -> str:
     return "head:" + text_fingerprint(config.read_text(errors="replace")) + str(weights.stat().st_size)
 
 
+# Fields added after heads were trained, at the value every earlier head had: left out of the fingerprint there,
+# so that those heads' keys are unchanged.
+LATER_TRAIN_FIELDS = {"optimizer": "adamw", "lr_schedule": "cosine"}
+LATER_HEAD_FIELDS = {"norm_before_fc": False, "norm_before_residual": False}
+
+
 def training_fingerprint(recipe: Any, features: dict[str, Any], init_from: str | None) -> str:
     """What a finished head records as its training (``head_is_complete``): the train and head sections, the seed, the
     features' fingerprint and an initial head's identity. The τ probe's settings measure the head and do not change
-    it; AdamW, named or not, keeps the fingerprints of heads trained before ``train.optimizer`` was a field."""
-    train = recipe.train.model_dump(mode="json", exclude={"tau_every", "tau_prompts", "tau_tokens"} |
-                                    ({"optimizer"} if recipe.train.optimizer == "adamw" else set()))
-    return text_fingerprint(json.dumps({"recipe_train": train, "head": recipe.head.model_dump(mode="json"),
-                                        "seed": recipe.seed, "features": features, "init_from": init_from},
-                                       sort_keys=True))
+    it; fields added later (``LATER_TRAIN_FIELDS``, ``LATER_HEAD_FIELDS``) count only where they differ from what
+    every earlier head had."""
+    train = without_later(recipe.train.model_dump(mode="json", exclude={"tau_every", "tau_prompts", "tau_tokens"}),
+                           LATER_TRAIN_FIELDS)
+    head = without_later(recipe.head.model_dump(mode="json"), LATER_HEAD_FIELDS)
+    return text_fingerprint(json.dumps({"recipe_train": train, "head": head, "seed": recipe.seed,
+                                        "features": features, "init_from": init_from}, sort_keys=True))
+
+
+def without_later(section: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]:
+    """``section`` without the fields of ``later`` that hold the value ``later`` gives them."""
+    return {k: v for k, v in section.items() if k not in later or v != later[k]}
 
 
 def head_is_complete(root: Path, training_fingerprint: str) -> bool:

@@ -128,12 +128,15 @@ def rank_digests(accelerator: Accelerator, head: torch.nn.Module) -> list[str]:
     return [bytes(d.tolist()).hex() for d in digests.view(accelerator.num_processes, -1).cpu()]
 
 
-def warmup_cosine(warmup: int, total: int) -> Callable[[int], float]:
-    """The learning-rate factor by step: linear warmup over ``warmup`` steps, then cosine decay to 10% at ``total``."""
+def lr_factor(warmup: int, total: int, schedule: str = "cosine") -> Callable[[int], float]:
+    """The learning-rate factor by step: linear warmup over ``warmup`` steps, then ``schedule``'s decay: ``cosine``
+    to 10% at ``total``, or ``linear`` to 0 at ``total``."""
     def f(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total - warmup)
-        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        if schedule == "linear":
+            return 1.0 - progress
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return f

@@ -18,7 +18,7 @@ def recipe_head_spec(recipe: Recipe, cfg: ModelConfig, fingerprint: str, aux_lay
     h, vocab = recipe.head, cfg.vocab_size
     return head_spec(h.kind, h.num_layers, cfg, fingerprint, h.convention, aux_layers,
                      draft_vocab_size(h.draft_vocab, vocab), h.block_size, h.mask_id(vocab), h.fc_norm, h.norm_output,
-                     h.parallel_drafts or 0, h.window or 0)
+                     h.parallel_drafts or 0, h.window or 0, h.norm_before_fc, h.norm_before_residual)
 
 
 def init_head_spec(recipe: Recipe, cfg: ModelConfig, features_target: str | None = None) -> HeadSpec:
@@ -37,8 +37,8 @@ def init_head_spec(recipe: Recipe, cfg: ModelConfig, features_target: str | None
         raise UserError(f"head.init_from: {path} was built for hidden size {spec.target.hidden_size} and vocabulary "
                         f"{spec.target.vocab_size}; the target has {cfg.hidden_size} and {cfg.vocab_size}")
     wanted = recipe_head_spec(recipe, cfg, spec.target_fingerprint, spec.aux_layers)
-    for field in ("num_layers", "draft_vocab", "fc_norm", "norm_output", "window", "block_size", "parallel_drafts",
-                  "mask_token_id", "convention"):
+    for field in ("num_layers", "draft_vocab", "fc_norm", "norm_output", "norm_before_fc", "norm_before_residual",
+                  "window", "block_size", "parallel_drafts", "mask_token_id", "convention"):
         if field in h.model_fields_set and getattr(wanted, field) != getattr(spec, field):
             raise UserError(f"head.{field}: {getattr(h, field)!r} is not the head.init_from head's "
                             f"{getattr(spec, field)!r} ({path}); set it so, or leave it out")

@@ -42,8 +42,8 @@ from mtp_train.train.checkpoint import (begin_checkpoint, finish_checkpoint, hea
                                         training_fingerprint)
 from mtp_train.train.data import Batch, BatchPlan, load_batch, plan_batches, plan_rank
 from mtp_train.train.initial import initial_head
-from mtp_train.train.distributed import (EXIT_STOPPED, StopRequest, make_accelerator, optimizer_state, rank_digests,
-                                         restore_optimizer, train_precision, warmup_cosine)
+from mtp_train.train.distributed import (EXIT_STOPPED, StopRequest, lr_factor, make_accelerator, optimizer_state,
+                                         rank_digests, restore_optimizer, train_precision)
 from mtp_train.train.loss import LossWeights, StepMetrics
 from mtp_train.train.objective import heldout_batches, loss_weights, objective, validate
 from mtp_train.train.optimizer import build_optimizer
@@ -183,7 +183,7 @@ class Trainer:
             raise UserError(f"{recipe.features_dir}: too few training sequences for {world} process(es) x "
                             f"{t.grad_accum} micro-batches; lower train.batch_tokens")
         total = t.max_steps or max(1, int(t.epochs * per_epoch))
-        scheduler = LambdaLR(optimizer, warmup_cosine(t.warmup_steps, total))
+        scheduler = LambdaLR(optimizer, lr_factor(t.warmup_steps, total, t.lr_schedule))
         saved = load_checkpoint(recipe.checkpoints_dir, head, scheduler)
         step = saved[1]["step"] if saved else 0
         model, optimizer = accelerator.prepare(head, optimizer)  # not the scheduler (see its field)
