@@ -1,0 +1,29 @@
+"""bench/length_table.py: α₁ pooled by context length and over the short sets, weighted by verify steps."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _group(alpha: float, steps: int) -> dict:
+    return {"alpha": [alpha], "num_steps": steps}
+
+
+def test_the_groups_pool_by_steps_and_the_ratio_reads_4_8k_over_under_1k(tmp_path: Path) -> None:
+    chain = {"k": 1, "temperature": 0.0, "tree": None,
+             "by_length": {"0-127": _group(0.2, 300), "512-1023": _group(0.4, 100), "1024-2047": _group(0.9, 50),
+                           "2048-4095": _group(0.1, 40), "4096-8191": _group(0.35, 60)},
+             "by_prompt_set": {"spec_bench": _group(0.25, 200), "mt_bench": _group(0.3, 300), "long": _group(0.9, 9)}}
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps({"sweep": [dict(chain, k=2), chain]}))
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "length_table.py"), str(path)], capture_output=True,
+                         text=True, check=True).stdout
+    cells = out.splitlines()[2].split(" | ")
+    # under 1k: (0.2*300 + 0.4*100) / 400 = 0.25; 4-8k: (0.1*40 + 0.35*60) / 100 = 0.25; short: 0.28 over 500 steps
+    assert cells[1:] == ["0.250 ± 0.022 (400)", "0.100 ± 0.047 (40)", "0.350 ± 0.062 (60)", "0.250 ± 0.043 (100)",
+                         "1.00", "0.280 ± 0.020 (500) |"]
