@@ -246,7 +246,7 @@ def training_fingerprint(recipe: Any, features: dict[str, Any], init_from: str |
     it; fields added later (``LATER_TRAIN_FIELDS``, ``LATER_HEAD_FIELDS``) count only where they differ from what
     every earlier head had."""
     train = without_later(recipe.train.model_dump(mode="json", exclude={"tau_every", "tau_prompts", "tau_tokens"}),
-                           LATER_TRAIN_FIELDS)
+                          LATER_TRAIN_FIELDS)
     head = without_later(recipe.head.model_dump(mode="json"), LATER_HEAD_FIELDS)
     return text_fingerprint(json.dumps({"recipe_train": train, "head": head, "seed": recipe.seed,
                                         "features": features, "init_from": init_from}, sort_keys=True))
