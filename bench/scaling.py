@@ -69,7 +69,6 @@ def settings(recipe: Path, head: str, extra: list[str]) -> dict:
     """The fields a ``head`` point trains with: ``recipe`` resolved with the overrides ``extra``, as
     ``{"head.x": value, "train.y": value}`` (the kind's head fields, every train field but the per-point ones)."""
     from mtp_train.recipe import load_recipe
-
     from mtp_train.train.checkpoint import LATER_HEAD_FIELDS, LATER_TRAIN_FIELDS, without_later
 
     r = load_recipe(recipe, [f"head.kind={head}", *extra])
