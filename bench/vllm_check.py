@@ -85,6 +85,9 @@ def runtime_runs(recipe, ks: list[int], head: Path) -> tuple[list, list[list[int
     # narrower batch would verify fewer drafts than vLLM does for the same outputs.
     engine = Engine.from_pretrained(recipe.target.path, dtype=torch.float32, device="cpu", kv_bytes=KV_BYTES)
     prompts, token_ids, _, _ = eval_prompts(recipe, engine)
+    # Every prompt prefilled in one step: while a prefill runs in chunks this runtime's steps are plain (no sequence
+    # drafts), where vLLM drafts for the sequences already decoding, so long prompts would draft less here.
+    engine.max_batch_tokens = max(engine.max_batch_tokens, sum(map(len, token_ids)))
     drafter = head_drafter(engine, load_trained_head(head, recipe.target.path, engine.cfg))
     params = SamplingParams(temperature=0.0, max_new_tokens=recipe.eval.max_new_tokens)
     plain = [r.tokens for r in engine.generate(token_ids, params)]
