@@ -27,3 +27,13 @@ def test_the_groups_pool_by_steps_and_the_ratio_reads_4_8k_over_under_1k(tmp_pat
     # under 1k: (0.2*300 + 0.4*100) / 400 = 0.25; 4-8k: (0.1*40 + 0.35*60) / 100 = 0.25; short: 0.28 over 500 steps
     assert cells[1:] == ["0.250 ± 0.022 (400)", "0.100 ± 0.047 (40)", "0.350 ± 0.062 (60)", "0.250 ± 0.043 (100)",
                          "1.00", "0.280 ± 0.020 (500) |"]
+
+
+def test_a_missing_or_foreign_report_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    foreign = tmp_path / "foreign.json"
+    foreign.write_text(json.dumps({"sweep": [{"k": 2, "temperature": 0.0}]}))
+    for path in (tmp_path / "absent.json", foreign):
+        proc = subprocess.run([sys.executable, str(REPO / "bench" / "length_table.py"), str(path)],
+                              capture_output=True, text=True)
+        assert proc.returncode == 2 and proc.stdout == ""
+        assert proc.stderr.count("\n") == 1 and str(path) in proc.stderr and "Traceback" not in proc.stderr
