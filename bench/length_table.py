@@ -12,37 +12,38 @@ lower bound of the error). Prints a Markdown table.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from mtp_train.errors import UserError  # noqa: E402
+from mtp_train.eval.report import Group, load_report  # noqa: E402
 
 GROUPS = {"under 1k": ("0-127", "128-511", "512-1023"), "4k size": ("2048-4095",), "8k size": ("4096-8191",),
           "4-8k": ("2048-4095", "4096-8191")}
 SHORT_SETS = ("spec_bench", "mt_bench")
 
 
-def pooled(groups: list[dict]) -> tuple[float, float, int] | None:
-    """α₁ over ``groups`` (report entries with ``alpha`` and ``num_steps``), weighted by verify steps; its SE."""
-    steps = sum(g["num_steps"] for g in groups)
+def pooled(groups: list[Group]) -> tuple[float, float, int] | None:
+    """α₁ over ``groups``, weighted by verify steps; its SE."""
+    steps = sum(g.num_steps for g in groups)
     if steps == 0:
         return None
-    a = sum(g["alpha"][0] * g["num_steps"] for g in groups) / steps
+    a = sum(g.alpha[0] * g.num_steps for g in groups) / steps
     return a, math.sqrt(a * (1 - a) / steps), steps
 
 
-class BadReport(Exception):
-    """A path that holds no readable eval report with a k = 1 chain."""
-
-
 def row(path: Path) -> list[str]:
-    try:
-        report = json.loads(path.read_text())
-        chain = next(s for s in report["sweep"] if s["k"] == 1 and s["temperature"] == 0.0 and not s.get("tree"))
-        by_length, by_set = chain["by_length"], chain["by_prompt_set"]
-    except (OSError, ValueError, KeyError, TypeError, StopIteration) as e:
-        raise BadReport(f"{path}: not an eval report with a k = 1 chain at T = 0 ({type(e).__name__}); pass "
-                        "OUTPUT_DIR/eval/report.json of an eval with 1 in eval.k") from e
+    report = load_report(path)
+    chain = next((p for p in report.sweep if p.k == 1 and p.temperature == 0.0 and p.tree is None), None)
+    if chain is None:
+        raise UserError(f"{path}: no k = 1 chain at T = 0 in its sweep; evaluate with 1 in eval.k")
+    by_length, by_set = chain.by_length, chain.by_prompt_set
+    if any(g.num_steps is None for g in [*by_length.values(), *by_set.values()]):
+        raise UserError(f"{path}: its groups predate their verify-step counts (num_steps); evaluate the head again")
     cells = {name: pooled([by_length[b] for b in buckets if b in by_length]) for name, buckets in GROUPS.items()}
     cells["short"] = pooled([by_set[s] for s in SHORT_SETS if s in by_set])
     ratio = (f"{cells['4-8k'][0] / cells['under 1k'][0]:.2f}" if cells["4-8k"] and cells["under 1k"] else "—")
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         rows = [row(path) for path in args.reports]
-    except BadReport as e:
+    except UserError as e:
         print(f"length_table: {e}", file=sys.stderr)
         return 2
     print("| report | α₁ under 1k (steps) | 4k size | 8k size | 4-8k | 4-8k / under 1k | Spec-Bench + MT-bench |")
