@@ -148,6 +148,9 @@ class TrainConfig(Section):
         "adamw", description="`adamw`; or `muon`: torch's Muon over the head's hidden 2-D matrices, AdamW over the "
         "rest (norms, biases, a draft lm_head), one lr (Muon scaled to AdamW's update RMS). Not under DeepSpeed.")
     lr: PositiveFloat = Field(1e-3, description="Peak learning rate.")
+    freeze_lm_head: bool = Field(
+        False, description="Keep an eagle3 head's draft lm_head at the target's rows it starts from (speculators' "
+        "choice); the other kinds draft through the target's own lm_head, always frozen.")
     weight_decay: NonNegativeFloat = Field(0.0, description="Weight decay (decoupled, every part of the optimizer).")
     warmup_steps: NonNegativeInt = Field(50, description="Linear warmup steps, then `lr_schedule`'s decay.")
     lr_schedule: Literal["cosine", "linear"] = Field(

@@ -190,3 +190,23 @@ def test_two_processes_train_an_eagle3_head_as_one_does(eagle3_run, tmp_path):
     assert len(digests) == 2 and digests[0] == digests[1]
     for a, b in zip(logs["one"], logs["two"], strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-3)
+
+
+def test_a_frozen_lm_head_stays_at_the_targets_rows_while_the_rest_trains(eagle3_run, tmp_path):
+    """``train.freeze_lm_head``: after 4 steps at a high lr the saved head's lm_head is still the target's rows of its
+    draft ids, bit for bit, while its loss fell; the recipe's own run (not frozen) moved its lm_head."""
+    recipe = yaml.safe_load(eagle3_run.read_text())
+    recipe["output_dir"] = str(tmp_path / "run")
+    recipe["precompute"]["features_dir"] = str(_run(eagle3_run) / "features")
+    recipe["train"].update(max_steps=4, lr=1e-2, warmup_steps=0, val_every=4, save_every=4, freeze_lm_head=True)
+    path = tmp_path / "frozen.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    proc = run_cli("train", path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = FrozenTarget.load(TINY_TARGET).lm_head_weight
+    frozen, trained = load_head(tmp_path / "run" / "heads" / "eagle3"), load_head(_run(eagle3_run) / "heads" / "eagle3")
+    assert torch.equal(frozen.lm_head.weight, rows[frozen.draft_ids].to(frozen.lm_head.weight.dtype))
+    assert not torch.equal(trained.lm_head.weight, rows[trained.draft_ids].to(trained.lm_head.weight.dtype))
+    lines = (tmp_path / "run" / "train_log.eagle3.jsonl").read_text().splitlines()
+    losses = [json.loads(line)["loss"] for line in lines]
+    assert len(losses) == 4 and losses[-1] < losses[0], losses

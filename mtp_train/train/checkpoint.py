@@ -236,7 +236,7 @@ def head_identity(root: Path) -> str:
 
 # Fields added after heads were trained, at the value every earlier head had: left out of the fingerprint there,
 # so that those heads' keys are unchanged.
-LATER_TRAIN_FIELDS = {"optimizer": "adamw", "lr_schedule": "cosine"}
+LATER_TRAIN_FIELDS = {"optimizer": "adamw", "lr_schedule": "cosine", "freeze_lm_head": False}
 LATER_HEAD_FIELDS = {"norm_before_fc": False, "norm_before_residual": False}
 
 

@@ -21,7 +21,16 @@ def initial_head(recipe: Recipe, spec: HeadSpec, frozen: FrozenTarget, reader: F
     summed by ``total``: ``frequent_tokens``) and its lm_head starts as their frozen rows; a dflash head's mask vector
     starts as the embedding of the id engines write there; ``init: target_last_layer`` starts an mtp head's layers
     as the target's last layer (not eagle: see HeadConfig.init); ``head.init_from`` starts from that head's weights
-    (its draft vocabulary and mask vector included)."""
+    (its draft vocabulary and mask vector included). ``train.freeze_lm_head`` keeps an eagle3 head's lm_head where it
+    starts (no gradient, so no optimizer state)."""
+    head = _built(recipe, spec, frozen, reader, rank, world, total)
+    if recipe.train.freeze_lm_head and spec.kind == "eagle3":
+        head.lm_head.weight.requires_grad_(False)
+    return head
+
+
+def _built(recipe: Recipe, spec: HeadSpec, frozen: FrozenTarget, reader: Features, rank: int, world: int,
+           total: Callable[[torch.Tensor], torch.Tensor] | None) -> DraftHead:
     if recipe.head.init_from is not None:
         return load_head(recipe.head.init_from, frozen.cfg).train()
     head = build_head(spec)

@@ -60,7 +60,7 @@ def muon_split(head: torch.nn.Module) -> tuple[list[torch.nn.Parameter], list[to
 def build_optimizer(head: torch.nn.Module, kind: str, lr: float, weight_decay: float) -> torch.optim.Optimizer:
     """``train.optimizer`` over ``head``'s parameters (module docstring)."""
     if kind == "adamw":
-        return torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=weight_decay, betas=ADAMW_BETAS)
+        return torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay, betas=ADAMW_BETAS)
     muon, adamw = muon_split(head)
     return MuonAdamW(torch.optim.Muon(muon, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw"),
                      torch.optim.AdamW(adamw, lr=lr, weight_decay=weight_decay, betas=ADAMW_BETAS))
