@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
-# Issue #49's peer campaign (bench/peer_parity.py), resumed session after session at the code its kept runs were made
-# with, while development goes on beside it on main.
+# Issue #49's peer campaign (bench/peer_parity.py), resumed session after session, while development goes on beside
+# it on main.
 #
-#   bench/campaign.sh start [ARGS]  # this checkout detached at PIN and set up; main checked out in $DEV (its own
-#                             # .venv); peer_parity.py --reuse ARGS started, and a loop committing its results on main
-#                             # every 2 min (the sweep's grid now: --sweep-lr 3e-4 1e-3 3e-3 1e-2 3e-2)
+#   bench/campaign.sh start [ARGS]  # this checkout detached at its commit and set up; main checked out in $DEV (its
+#                             # own .venv); peer_parity.py --reuse ARGS started, and a loop committing its results on
+#                             # main every 2 min
 #   $DEV/bench/campaign.sh stop   # both stopped, what landed committed, $DEV removed, main checked out here again
 #
-# Why: a kept run's key hashes the code that trains, exports and serves (bench/peer_runs.py's CODE: mtp_train,
-# precompute, eval, ...), so any change there would retrain the 12 CPU-hours of runs; the campaign therefore runs the
-# code of PIN, and its results go to $DEV/bench/peer_results on main. The keys also hold the target's absolute path:
-# run it from the checkout the kept runs were made in (/work/main). `start` needs this checkout clean.
+# Why: the code under a running campaign must not change, since our runs' keys hash the code that trains, exports and
+# serves them (bench/peer_runs.py's CODE), read when the campaign starts; so it runs a detached checkout and its
+# results go to $DEV/bench/peer_results on main. The next start, at a newer commit, retrains our runs (minutes each)
+# and keeps the peers' (hours), whose keys hold their inputs' content and their own code only. The keys also hold the
+# target's absolute path: run it from the checkout the kept runs were made in (/work/main). `start` needs this
+# checkout clean.
 set -euo pipefail
-PIN=838fd8ce35c8643bdc44ffbea70c48de4aad100a
 if [[ -z "${CAMPAIGN_REPO:-}" ]]; then  # the checkout changes under a running script: run a copy
     here=$(cd "$(dirname "$0")/.." && pwd)
     repo=$(git -C "$here" worktree list --porcelain | awk 'NR == 1 {print $2; exit}')  # the main checkout
@@ -35,7 +36,7 @@ case "${1:-}" in
 start)
     cd "$REPO"
     [[ -z "$(git status --porcelain)" ]] || { echo "campaign.sh: $REPO has uncommitted changes; commit them first" >&2; exit 2; }
-    git checkout -q --detach "$PIN"
+    git checkout -q --detach HEAD
     git worktree add -q "$DEV" main
     make venv smollm2 vllm peers speculators
     for d in .cache .venv-vllm .venv-peers .venv-speculators; do ln -sfn "$REPO/$d" "$DEV/$d"; done

@@ -60,8 +60,8 @@ from bench.machine import machine_line  # noqa: E402
 from mtp_train.io import write_json_atomic  # noqa: E402
 
 from peer_runs import (DOLLY, MTP_TRAIN, RECIPE, RESULTS, RUNNERS, SGD, SPECFORGE, SPECULATORS,  # noqa: E402
-                       VLLM_PYTHON, base_recipe, code_digest, dir_digest, fresh, keep, kept, ours_name, peer_inputs,
-                       run, train_ours, train_peer, unit, with_point)
+                       VLLM_PYTHON, base_recipe, code_digest, dir_digest, fresh, keep, kept, ours_name, overrides_arg,
+                       peer_job, peer_key, run, train_ours, train_peer, unit, with_point)
 from peer_table import report  # noqa: E402
 from vllm_check import serve  # noqa: E402
 
@@ -124,8 +124,8 @@ def settings_rows(recipe: dict, results: Path) -> dict[str, tuple[list[str], dic
     rows = {"defaults": ([], dict(PEERS)), "matched": ([], matched)}
     if (results / "tuned.json").is_file():
         best = json.loads((results / "tuned.json").read_text())
-        ours = [f"train.{name}={best['ours'][field]}" for name, field in (("lr", "lr"), ("unroll", "ttt"))
-                if best["ours"][field] != t[name]]
+        ours = best.get("ours_base", []) + [f"train.{name}={best['ours'][field]}" for name, field in
+                                            (("lr", "lr"), ("unroll", "ttt")) if best["ours"][field] != t[name]]
         rows["tuned"] = (ours, {
             peer: with_point(peer, settings, best[peer]["lr"], best[peer]["ttt"])
             for peer, settings in PEERS.items() if peer in best})
@@ -196,11 +196,27 @@ class Trainers:
             self.trained[name] = train_ours(self.cell, self.steps, overrides, self.seed, name)
         return self.trained[name], self.cell / f"{name}-vllm"
 
-    def peer(self, trainer: str, name: str, overrides: list[str], settings: dict) -> tuple[dict, Path]:
-        base, _ = self.ours(overrides)
-        inputs = peer_inputs(self.cell, ours_name(overrides))
-        return (train_peer(trainer, self.cell, base, inputs, self.recipe, settings, self.threads, self.seed, name),
-                self.cell / name / "vllm")
+    def peer(self, trainer: str, overrides: list[str], settings: dict, job: dict) -> tuple[dict, Path]:
+        """``trainer``'s run of ``job`` (bench/peer_runs.py's :func:`peer_job` of ``settings``) on the inputs of our
+        run with ``overrides``, trained here when its outputs are not on disk; stopped if that run hands over other
+        inputs than the job was made from (the kept cost's)."""
+        cost, _ = self.ours(overrides)
+        name = Path(job["out"]).name
+        again = peer_job(trainer, self.cell, ours_name(overrides), cost, self.recipe, settings, self.threads,
+                         self.seed, name)
+        if again != job:
+            sys.exit(f"peer_parity: our run {self.cell / ours_name(overrides)} hands {trainer} other inputs than its "
+                     f"kept cost: {sorted(k for k in job if job[k] != again.get(k))}; rerun without --reuse")
+        return train_peer(trainer, job, self.cell, name), self.cell / name / "vllm"
+
+    def peer_unit(self, trainer: str, overrides: list[str], ours: dict, settings: dict, name: str, scoring: dict,
+                  path: Path, reuse: bool, scored: Callable[[Path], dict]) -> dict:
+        """``trainer`` (with ``settings``) on the inputs of our run with ``overrides`` (``ours``: its unit), kept at
+        ``path`` under its content key (bench/peer_runs.py's :func:`peer_key`, with ``scoring``)."""
+        job = peer_job(trainer, self.cell, ours_name(overrides), ours["cost"], self.recipe, settings, self.threads,
+                       self.seed, name)
+        return unit(path, peer_key(trainer, job, ours["cost"], scoring), reuse,
+                    functools.partial(self.peer, trainer, overrides, settings, job), scored)
 
 
 def run_cell(cell: Path, key: dict, rows: dict, steps: int, recipe: dict, threads: int, plain: Callable[[], dict],
@@ -225,9 +241,9 @@ def run_cell(cell: Path, key: dict, rows: dict, steps: int, recipe: dict, thread
                                                    functools.partial(trainers.ours, variant), scored)
         for name, settings in theirs.items():
             path = units / f"{name}-{setting}.json"
-            runs[name] = made[path.name] = unit(
-                path, {**key, "trainer": name, "settings": settings, "ours": overrides}, reuse,
-                functools.partial(trainers.peer, name, f"{name}-{setting}", overrides, settings), scored)
+            runs[name] = made[path.name] = trainers.peer_unit(
+                name, overrides, runs["ours"], settings, path.stem, {"job": key["scoring"], "k": ks}, path, reuse,
+                scored)
         out["costs"][setting] = {t: u["cost"] for t, u in runs.items()}
         out["scores"][setting] = {t: u["scores"] for t, u in runs.items()}
     return {**out, "wall_s": round(sum(u["wall_s"] for u in made.values()), 1),
@@ -242,7 +258,8 @@ def tuned_settings(args: argparse.Namespace) -> None:
     peer_sweep.main(["--rows", str(args.rows), "--steps", str(args.steps), "--prompts", str(args.prompts),
                      "--new-tokens", str(args.new_tokens), "--threads", str(args.threads), "--work", str(args.work),
                      "--results", str(args.results), "--peers", *args.peers, "--lr", *map(str, args.sweep_lr),
-                     "--ttt", *map(str, args.sweep_ttt), *(["--reuse"] if args.reuse else [])])
+                     "--ttt", *map(str, args.sweep_ttt), "--ours-base", ";".join(args.ours_base),
+                     *(["--reuse"] if args.reuse else [])])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -267,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-lr", type=float, nargs="+", default=[3e-4, 1e-3, 3e-3, 1e-2], help="the tuned "
                         "row's grid of learning rates (bench/peer_sweep.py)")
     parser.add_argument("--sweep-ttt", type=int, nargs="+", default=[2, 7], help="the tuned row's grid of TTT lengths")
+    parser.add_argument("--ours-base", type=overrides_arg, default=[], help="our overrides at every point of the tuned "
+                        "row's grid, joined by ';' (bench/peer_sweep.py's --ours-base)")
     parser.add_argument("--peers", nargs="+", default=list(PEERS), choices=list(PEERS))
     parser.add_argument("--untuned-seeds", type=int, nargs="+", default=[0], help="the seeds at which the rows "
                         "other than tuned run (the goals read the tuned row, at every seed)")

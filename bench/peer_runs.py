@@ -6,7 +6,9 @@ decide whether a run is kept (a run is redone unless ``--reuse`` is asked and it
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 import json
 import os
 import shutil
@@ -32,11 +34,17 @@ RECIPE = REPO / "recipes" / "smollm2.yaml"
 SGD = REPO / "data" / "sgd" / "sgd_train_sharegpt.jsonl.gz"
 DOLLY = REPO / "data" / "general" / "prompts.jsonl.gz"
 MTP_TRAIN = [sys.executable, "-m", "mtp_train.cli"]
-# The code that trains, exports and serves every run. The drivers (bench/peer_parity.py, bench/peer_sweep.py) are left
+# The code that trains, exports and serves our runs. The drivers (bench/peer_parity.py, bench/peer_sweep.py) are left
 # out: what they decide is in each key as data (the conversations' sha256, settings, overrides, steps, seed, scoring
 # job), so a fix to how they print or order the runs keeps the runs already made.
 CODE = ["mtp_train", "precompute", "eval", "bench/peers", "bench/peer_runs.py", "bench/vllm_serve.py",
         "bench/vllm_check.py"]
+# A peer's run is keyed by its content instead: its job (the sha256 of the tokens our precompute handed it, its
+# settings, steps, tokens per step, seed, threads), our draft vocabulary's sha256 where it takes ours, the target's
+# weights, the scoring job, and this code: its runner and the serving path. So a change to our trainer retrains ours
+# and keeps the peers' runs whose inputs it leaves as they were.
+PEER_CODE = ["bench/peers", "bench/vllm_serve.py"]
+JOB_PATHS = ("target", "tokens", "vocab", "out")  # where a job's inputs and outputs lie: keyed by content instead
 RESULTS = REPO / "bench" / "peer_results"  # every trainer's run, each cell's and the sweep's, committed as they land
 WORKERS = 1  # loader threads, every side: ours prefetches its batches on one thread
 # SpecForge 0.2.0's own defaults (its config schema and every EAGLE-3 example; gradient clipping 0.5, AdamW betas
@@ -76,6 +84,14 @@ def code_digest(paths: list[str] = CODE) -> str:
             if f.is_file() and "__pycache__" not in f.parts:
                 digest.update(f"{f.relative_to(REPO)}\0{sha256_of(f)}\0".encode())
     return digest.hexdigest()
+
+
+def peer_code_digest() -> str:
+    """One sha256 over ``PEER_CODE`` and the function that launches vLLM (bench/vllm_check.py's ``serve``, with its
+    KV budget)."""
+    from bench.vllm_check import KV_BYTES, serve
+
+    return hashlib.sha256(f"{code_digest(PEER_CODE)}\0{inspect.getsource(serve)}\0{KV_BYTES}".encode()).hexdigest()
 
 
 def dir_digest(directory: Path) -> str:
@@ -142,6 +158,12 @@ def base_recipe() -> dict:
     return recipe
 
 
+def overrides_arg(text: str) -> list[str]:
+    """Recipe overrides joined by ";" as a list: ``"train.optimizer=muon;head.draft_vocab=null"`` -> its two; ``""``
+    -> none."""
+    return [o for o in text.split(";") if o]
+
+
 def ours_name(overrides: list[str]) -> str:
     """Our run's directory in a cell: ``ours`` for the recipe as it is, else named by its overrides' hash."""
     return "ours-" + hashlib.sha256("\n".join(overrides).encode()).hexdigest()[:8] if overrides else "ours"
@@ -181,27 +203,37 @@ def train_ours(cell: Path, steps: int, overrides: list[str] | None = None, seed:
     stored = json.loads((features / "manifest.json").read_text())
     tokens = sum(r["tokens"] for r in records)
     return {"steps": len(records), "tokens_trained": tokens, "tokens_per_s": tokens / sum(r["step_s"] for r in records),
-            "bytes_per_token": sum(f.stat().st_size for f in features.iterdir()) / stored["totals"]["tokens"]}
+            "bytes_per_token": sum(f.stat().st_size for f in features.iterdir()) / stored["totals"]["tokens"],
+            "handover": handover(cell, name)}
 
 
-def peer_inputs(cell: Path, ours: str = "ours") -> tuple[Path, Path, float]:
-    """Our stored token ids and loss masks (of our run ``CELL/OURS``) as SpecForge's JSONL input, our draft vocabulary
-    as its mapping, and the mean conversation length."""
+def handover(cell: Path, ours: str) -> dict:
+    """What a peer takes from our run ``CELL/OURS`` (:func:`peer_inputs`), as content: the stored tokens' sha256 and
+    mean length, the draft vocabulary's sha256 (None: the head drafts the full vocabulary)."""
+    tokens, vocab, mean_len = peer_inputs(cell, ours)
+    return {"tokens_sha256": sha256_of(tokens), "mean_len": mean_len,
+            "vocab_sha256": sha256_of(vocab) if vocab is not None else None}
+
+
+def peer_inputs(cell: Path, ours: str = "ours") -> tuple[Path, Path | None, float]:
+    """Our stored token ids and loss masks (of our run ``CELL/OURS``) as the peers' JSONL input
+    (``CELL/OURS.tokens.jsonl``), our draft vocabulary as their mapping (``CELL/OURS.vocab.safetensors``; None where
+    the head drafts the full vocabulary), and the mean conversation length."""
     from safetensors.torch import load_file, save_file
 
     from mtp_train.features.reader import FeatureReader
 
     reader = FeatureReader(cell / ours / "features")
-    tokens, lengths = cell / "tokens.jsonl", []
+    tokens, lengths = cell / f"{ours}.tokens.jsonl", []
     with open(tokens, "w") as f:
         for ref in reader.train:
             rows = reader.load(ref)
             lengths.append(len(rows["input_ids"]))
             f.write(json.dumps({k: rows[k].tolist() for k in ("input_ids", "loss_mask")}) + "\n")
-    head = load_file(cell / f"{ours}-vllm" / "model.safetensors")
-    vocab = cell / "vocab.safetensors"
-    save_file({"d2t": head["d2t"], "t2d": head["t2d"]}, vocab)
-    return tokens, vocab, sum(lengths) / len(lengths)
+    head, vocab = load_file(cell / f"{ours}-vllm" / "model.safetensors"), cell / f"{ours}.vocab.safetensors"
+    if "d2t" in head:
+        save_file({"d2t": head["d2t"], "t2d": head["t2d"]}, vocab)
+    return tokens, vocab if "d2t" in head else None, sum(lengths) / len(lengths)
 
 
 def with_point(peer: str, settings: dict, lr: float, ttt: int) -> dict:
@@ -209,21 +241,39 @@ def with_point(peer: str, settings: dict, lr: float, ttt: int) -> dict:
     return {**settings, "lr": lr, TTT[peer]: ttt}
 
 
-def train_peer(peer: str, cell: Path, ours: dict, inputs: tuple[Path, Path, float], recipe: dict, settings: dict,
-               threads: int, seed: int, name: str) -> dict:
-    """``peer`` (``specforge`` or ``speculators``) into ``CELL/NAME`` on ``inputs``, :func:`peer_inputs` of our run
-    (``ours``: its cost), as many optimizer steps as ours took, each carrying our mean tokens per step (SpecForge:
-    that many rows on average; speculators: packed to that many tokens). ``settings``: the job fields of
-    bench/peers/{peer}_run.py, ``"vocab": "ours"`` for our draft vocabulary or ``None`` for the peer's own. Its
-    result.json, kept while the job is unchanged."""
-    out = cell / name
-    tokens, vocab, mean_len = inputs
-    per_step = ours["tokens_trained"] / ours["steps"]
+def peer_job(peer: str, cell: Path, ours: str, cost: dict, recipe: dict, settings: dict, threads: int, seed: int,
+             name: str) -> dict:
+    """The job of ``peer`` (``specforge`` or ``speculators``; bench/peers/{peer}_run.py's fields) into ``CELL/NAME``
+    on the inputs of our run ``CELL/OURS`` (``cost``: its cost with its handover), as many optimizer steps as ours
+    took, each carrying our mean tokens per step (SpecForge: that many rows on average; speculators: packed to that
+    many tokens). ``settings``: the peer's, ``"vocab": "ours"`` for our draft vocabulary or ``None`` for its own."""
+    per_step, mean_len = cost["tokens_trained"] / cost["steps"], cost["handover"]["mean_len"]
     shape = {"batch_size": max(1, round(per_step / mean_len))} if peer == "specforge" else {"seq_len": round(per_step)}
-    job = {"target": recipe["target"]["path"], "tokens": str(tokens), "max_length": recipe["data"]["max_length"],
-           **settings, "vocab": str(vocab) if settings["vocab"] == "ours" else None, **shape,
-           "total_steps": ours["steps"], "seed": seed, "threads": threads, "out": str(out),
-           "tokens_sha256": hashlib.sha256(tokens.read_bytes()).hexdigest()}  # the same paths may hold new rows
+    return {"target": recipe["target"]["path"], "tokens": str(cell / f"{ours}.tokens.jsonl"),
+            "max_length": recipe["data"]["max_length"], **settings,
+            "vocab": str(cell / f"{ours}.vocab.safetensors") if settings["vocab"] == "ours" else None, **shape,
+            "total_steps": cost["steps"], "seed": seed, "threads": threads, "out": str(cell / name),
+            "tokens_sha256": cost["handover"]["tokens_sha256"]}
+
+
+def peer_key(peer: str, job: dict, cost: dict, scoring: dict) -> dict:
+    """The key a peer's run is kept under: its job less its paths, our draft vocabulary's sha256 where it takes ours
+    (``cost``: our run's), the target's weights, ``scoring`` (the vLLM job and draft lengths) and ``PEER_CODE``."""
+    return {"trainer": peer, "job": {k: v for k, v in job.items() if k not in JOB_PATHS},
+            "vocab_sha256": cost["handover"]["vocab_sha256"] if job["vocab"] else None,
+            "target": target_digest(job["target"]), "scoring": scoring, "code": peer_code_digest()}
+
+
+@functools.cache
+def target_digest(path: str) -> str:
+    """:func:`dir_digest` of a target's directory, read once per process (its weights do not change under a run)."""
+    return dir_digest(Path(path))
+
+
+def train_peer(peer: str, job: dict, cell: Path, name: str) -> dict:
+    """``peer``'s run of ``job`` (:func:`peer_job`) into ``CELL/NAME``: its result.json, kept while the job is
+    unchanged, with its bytes per token at bf16."""
+    out = Path(job["out"])
     done, asked = out / "result.json", cell / f"{name}-job.json"
     if not done.is_file() or json.loads(done.read_text())["job"] != json.loads(json.dumps(job)):
         asked.write_text(json.dumps(job, indent=1))
@@ -232,5 +282,5 @@ def train_peer(peer: str, cell: Path, ours: dict, inputs: tuple[Path, Path, floa
     result = json.loads(done.read_text())
     # Both runners store 4 states per token (SpecForge: the 3 aux and the last; speculators: 4 slots) in fp32; at
     # bf16, ours' dtype, each element takes 2 bytes less and nothing else changes.
-    hidden = json.loads((Path(recipe["target"]["path"]) / "config.json").read_text())["hidden_size"]
+    hidden = json.loads((Path(job["target"]) / "config.json").read_text())["hidden_size"]
     return {**result, "bytes_per_token_bf16": result["bytes_per_token"] - 2 * 4 * hidden}

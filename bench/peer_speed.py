@@ -37,10 +37,10 @@ def line(cell: Path, recipe: dict, ttt: int, steps: int, threads: int, peers: li
     unroll = [f"train.unroll={ttt}"]
     ours = pr.train_ours(cell, steps, unroll, 0, f"ours-ttt{ttt}")
     costs = {"ours": ours, "ours-exact": pr.train_ours(cell, steps, unroll + pp.EXACT, 0, f"ours-exact-ttt{ttt}")}
-    inputs = pr.peer_inputs(cell, f"ours-ttt{ttt}")
     for peer in peers:
         settings = pr.with_point(peer, matched[peer], recipe["train"]["lr"], ttt)
-        costs[peer] = pr.train_peer(peer, cell, ours, inputs, recipe, settings, threads, 0, f"{peer}-ttt{ttt}")
+        job = pr.peer_job(peer, cell, f"ours-ttt{ttt}", ours, recipe, settings, threads, 0, f"{peer}-ttt{ttt}")
+        costs[peer] = pr.train_peer(peer, job, cell, f"{peer}-ttt{ttt}")
     return costs
 
 

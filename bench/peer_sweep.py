@@ -53,32 +53,35 @@ def validation_prompts(first_row: int, n: int) -> dict[str, list[list[int]]]:
     return {"validation": [render_prompt(tokenizer, p.messages) for p in prompts]}
 
 
-def point_runs(key: dict, lr: float, ttt: int, peers: list[str], results: Path) -> dict[str, tuple[Path, dict]]:
-    """Per trainer at one grid point: where its run is kept (``RESULTS/sweep``) and under which key (``key``: the
-    sweep's, less its grid; ours' overrides or the peer's settings)."""
-    units, overrides = results / "sweep", [f"train.lr={lr}", f"train.unroll={ttt}"]
-    out = {"ours": (units / f"ours-lr{lr:g}-ttt{ttt}.json", {**key, "trainer": "ours", "overrides": overrides})}
-    for name in peers:
-        settings = pr.with_point(name, pp.PEERS[name], lr, ttt)
-        out[name] = (units / f"{name}-lr{lr:g}-ttt{ttt}.json", {**key, "trainer": name, "settings": settings})
-    return out
+def point_runs(key: dict, lr: float, ttt: int, peers: list[str], results: Path
+               ) -> tuple[tuple[Path, dict], dict[str, tuple[Path, dict]]]:
+    """At one grid point, where each trainer's run is kept (``RESULTS/sweep``): ours with the key it is kept under
+    (``key``: the sweep's, less its grid, with our overrides: ``--ours-base``, the lr and TTT length), and per peer its
+    settings (a peer's key is its content: bench/peer_runs.py's :func:`peer_key`)."""
+    units = results / "sweep"
+    overrides = [*key["ours_base"], f"train.lr={lr}", f"train.unroll={ttt}"]
+    ours = (units / f"{pr.ours_name(key['ours_base'])}-lr{lr:g}-ttt{ttt}.json",
+            {**key, "trainer": "ours", "overrides": overrides})
+    return ours, {name: (units / f"{name}-lr{lr:g}-ttt{ttt}.json", pr.with_point(name, pp.PEERS[name], lr, ttt))
+                  for name in peers}
 
 
 def grid_point(cell: Path, key: dict, recipe: dict, lr: float, ttt: int, args: argparse.Namespace, job: dict,
                plain: Callable[[], dict]) -> dict[str, dict]:
     """Every trainer at one point of the grid (seed 0), each run a unit kept in ``RESULTS/sweep`` (bench/peer_runs.py's
     :func:`unit`; ``key``: the sweep's, less its grid): per trainer its cost and vLLM results at k = 3."""
-    runs = point_runs(key, lr, ttt, args.peers, args.results)
-    overrides = runs["ours"][1]["overrides"]
+    (path, ours_key), peers = point_runs(key, lr, ttt, args.peers, args.results)
     trainers = pp.Trainers(cell, args.steps, 0, recipe, args.threads)
 
     def scored(head: Path) -> dict:
         return pp.score(cell, job, plain(), [K], head)
 
-    return {name: pr.unit(path, unit_key, args.reuse, functools.partial(trainers.ours, overrides) if name == "ours"
-                          else functools.partial(trainers.peer, name, path.stem, overrides, unit_key["settings"]),
-                          scored)
-            for name, (path, unit_key) in runs.items()}
+    out = {"ours": pr.unit(path, ours_key, args.reuse, functools.partial(trainers.ours, ours_key["overrides"]),
+                           scored)}
+    for name, (peer_path, settings) in peers.items():
+        out[name] = trainers.peer_unit(name, ours_key["overrides"], out["ours"], settings, peer_path.stem,
+                                       {"job": job, "k": [K]}, peer_path, args.reuse, scored)
+    return out
 
 
 def print_kept(key: dict, args: argparse.Namespace) -> None:
@@ -89,8 +92,15 @@ def print_kept(key: dict, args: argparse.Namespace) -> None:
     print("|---:|---:|" + "---:|" * len(trainers) + "---|")
     for lr in args.lr:
         for ttt in args.ttt:
-            kept = {name: pr.kept(path, unit_key, True)
-                    for name, (path, unit_key) in point_runs(key, lr, ttt, args.peers, args.results).items()}
+            (path, ours_key), peers = point_runs(key, lr, ttt, args.peers, args.results)
+            kept = {"ours": pr.kept(path, ours_key, True)}
+            if kept["ours"]:  # a peer's key holds the inputs our run at this point handed it
+                cell = args.work.resolve() / "sweep-sgd-1x-s0"
+                for name, (peer_path, settings) in peers.items():
+                    peer_job = pr.peer_job(name, cell, pr.ours_name(ours_key["overrides"]), kept["ours"]["cost"],
+                                           key["recipe"], settings, args.threads, 0, peer_path.stem)
+                    kept[name] = pr.kept(peer_path, pr.peer_key(name, peer_job, kept["ours"]["cost"],
+                                                                {"job": key["scoring"], "k": [K]}), True)
             sets = {name: list(o["scores"][str(K)].values()) for name, o in kept.items() if o}
             mal = {name: pooled([r["counts"] for r in v]).mal for name, v in sets.items()}
             lossless = all(r["lossless"] for v in sets.values() for r in v)
@@ -102,6 +112,7 @@ def best(grid: list[dict], trainer: str) -> dict:
     """The grid point with the highest MAL of ``trainer`` (the earlier point on a tie)."""
     point = max(grid, key=lambda g: g[trainer]["mal"])
     return {"lr": point["lr"], "ttt": point["ttt"], "mal": point[trainer]["mal"]}
+
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=REPO / "runs" / "peers")
     parser.add_argument("--results", type=Path, default=pr.RESULTS, help="where tuned.json goes (committed)")
     parser.add_argument("--peers", nargs="+", default=list(pp.PEERS), choices=list(pp.PEERS))
+    parser.add_argument("--ours-base", type=pr.overrides_arg, default=[], help="our recipe overrides at every grid "
+                        "point, joined by ';' (the options our trainer is tuned at beside the grid; default: the "
+                        "recipe's)")
     parser.add_argument("--reuse", action="store_true", help="keep runs whose key matches (default: from scratch)")
     parser.add_argument("--kept", action="store_true", help="print the grid as far as RESULTS/sweep holds it; train "
                         "nothing")
@@ -141,7 +155,7 @@ def sweep(args: argparse.Namespace) -> int:
     key = {"recipe": recipe, "target": pr.dir_digest(Path(recipe["target"]["path"])), "code": pr.code_digest(),
         "conversations": hashlib.sha256(text.encode()).hexdigest(),
         "steps": args.steps, "threads": args.threads, "scoring": job, "peers": {p: pp.PEERS[p] for p in args.peers},
-        "grid": {"lr": args.lr, "ttt": args.ttt}}
+        "ours_base": args.ours_base, "grid": {"lr": args.lr, "ttt": args.ttt}}
     if args.kept:
         print_kept({k: v for k, v in key.items() if k != "grid"}, args)
         return 0
@@ -150,7 +164,7 @@ def sweep(args: argparse.Namespace) -> int:
     if tuned is None:
         grid = run_grid(work / "sweep-sgd-1x-s0", key, args, recipe, job, text)
         tuned = pr.keep(args.results / "tuned.json", key, {
-            **{t: best(grid, t) for t in trainers}, "k": K, "grid": grid,
+            **{t: best(grid, t) for t in trainers}, "ours_base": args.ours_base, "k": K, "grid": grid,
             "machine": sorted({g[t]["machine"] for g in grid for t in trainers}),
             "wall_s": round(sum(g[t]["wall_s"] for g in grid for t in trainers), 1)})
     print("\n| lr | TTT | " + " | ".join(f"{t} α_1 | {t} MAL" for t in trainers) + " | lossless |")

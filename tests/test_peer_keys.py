@@ -78,6 +78,9 @@ def test_the_tuned_row_gives_each_trainer_its_own_best_point(tmp_path: Path) -> 
                              {"specforge": {**pr.SPECFORGE, "lr": 1e-4, "ttt_length": 7}})  # speculators not swept
     elsewhere = pp.settings_rows({"train": {"lr": 3e-4, "unroll": 2, "warmup_steps": 10}}, tmp_path)
     assert elsewhere["tuned"][0] == ["train.lr=0.001"]
+    (tmp_path / "tuned.json").write_text(json.dumps({**tuned, "ours_base": ["train.optimizer=muon"]}))
+    assert pp.settings_rows(recipe, tmp_path)["tuned"][0] == ["train.optimizer=muon"]  # the base the sweep ran at
+    (tmp_path / "tuned.json").write_text(json.dumps(tuned))
     assert rows["defaults"][1] == {"specforge": pr.SPECFORGE, "speculators": pr.SPECULATORS}
     matched = rows["matched"][1]
     assert matched["specforge"]["vocab"] == matched["speculators"]["vocab"] == "ours"
@@ -152,27 +155,34 @@ def test_a_run_is_kept_as_it_ends_and_only_a_run_not_kept_is_made_again(tmp_path
         "head": "again"} and made == ["ours", "again"]  # without --reuse: made again
 
 
+def _handover(tokens: str = "t1", vocab: str | None = None) -> dict:
+    return {"tokens_sha256": tokens, "mean_len": 100.0, "vocab_sha256": vocab}
+
+
 def test_a_cell_trains_each_run_once_and_a_rerun_makes_only_the_runs_not_kept(tmp_path: Path, monkeypatch) -> None:
     trained: list[str] = []
 
     def train_ours(cell: Path, steps: int, overrides: list[str], seed: int, name: str) -> dict:
         trained.append(name)
-        return {"steps": steps, "tokens_trained": 100}
+        return {"steps": steps, "tokens_trained": 3000, "handover": _handover()}
 
-    def train_peer(peer: str, cell: Path, ours: dict, inputs, recipe, settings, threads, seed, name) -> dict:
-        assert ours["steps"] == 30 and inputs == f"tokens of {cell.name}/ours"
+    def train_peer(peer: str, job: dict, cell: Path, name: str) -> dict:
+        assert job["total_steps"] == 30 and job["batch_size"] == 1 and job["tokens"] == str(cell / "ours.tokens.jsonl")
         trained.append(name)
-        return {"steps": ours["steps"], "lr": settings["lr"]}
+        return {"steps": job["total_steps"], "lr": job["lr"]}
 
     monkeypatch.setattr(pp, "train_ours", train_ours)
     monkeypatch.setattr(pp, "train_peer", train_peer)
-    monkeypatch.setattr(pp, "peer_inputs", lambda cell, ours: f"tokens of {cell.name}/{ours}")
     monkeypatch.setattr(pp, "score", lambda cell, job, plain, ks, head: {k: {"heldout": head.name} for k in ks})
-    rows = {"defaults": ([], {"specforge": {"lr": 1e-4}}), "tuned": ([], {"specforge": {"lr": 3e-3}})}
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text("{}")
+    recipe = {"target": {"path": str(tmp_path / "target")}, "data": {"max_length": 64}}
+    rows = {"defaults": ([], {"specforge": {"lr": 1e-4, "vocab": None}}),
+            "tuned": ([], {"specforge": {"lr": 3e-3, "vocab": None}})}
     cell, units, key = tmp_path / "sgd-1x-s0", tmp_path / "units", {"seed": 0, "scoring": {}}
 
     def run(reuse: bool) -> dict:
-        return pp.run_cell(cell, key, rows, 30, {}, 2, lambda: {}, [3], units, reuse)
+        return pp.run_cell(cell, key, rows, 30, recipe, 2, lambda: {}, [3], units, reuse)
 
     first = run(False)
     assert trained == ["ours", pr.ours_name(pp.EXACT), "specforge-defaults", "specforge-tuned"]
@@ -183,6 +193,49 @@ def test_a_cell_trains_each_run_once_and_a_rerun_makes_only_the_runs_not_kept(tm
     (units / "specforge-tuned.json").unlink()  # the session ended inside this run
     assert run(True)["costs"]["tuned"]["specforge"]["lr"] == 3e-3
     assert trained == ["ours", "specforge-tuned"]  # ours again only for the tokens the peer trains on
+    trained.clear()
+    monkeypatch.setattr(pr, "CODE", ["tests/test_peer_keys.py"])  # our trainer's code changed: ours retrains,
+    monkeypatch.setattr(pp, "code_digest", lambda: "another")    # the peers' runs on the same inputs are kept
+    key = {**key, "code": pp.code_digest()}
+    assert run(True)["scores"] == first["scores"] and trained == ["ours", pr.ours_name(pp.EXACT)]
+
+
+def test_a_peers_key_is_its_content_not_our_code_or_its_paths(tmp_path: Path) -> None:
+    """A peer's run is kept under its job less its paths, our vocabulary's digest where it takes ours, the target's
+    weights, the scoring and its own code; our trainer's code is not in it."""
+    (tmp_path / "config.json").write_text("{}")
+    recipe = {"target": {"path": str(tmp_path)}, "data": {"max_length": 64}}
+    cost = {"steps": 30, "tokens_trained": 3000, "handover": _handover(vocab="v1")}
+
+    def key(cell: str = "a", cost: dict = cost, settings: dict | None = None, scoring: dict | None = None) -> dict:
+        settings = settings or {"lr": 1e-3, "ttt_steps": 2, "vocab": None}
+        job = pr.peer_job("speculators", tmp_path / cell, "ours", cost, recipe, settings, 2, 0, "speculators")
+        assert job["seq_len"] == 3000 // cost["steps"] and job["tokens_sha256"] == cost["handover"]["tokens_sha256"]
+        return pr.peer_key("speculators", job, cost, scoring or {"job": {}, "k": [3]})
+
+    assert pr.key_sha(key()) == pr.key_sha(key("b"))  # another cell's directory, the same content
+    assert "code" in key() and key()["code"] == pr.peer_code_digest() and key()["vocab_sha256"] is None
+    assert key(cost={**cost, "handover": _handover("t2", "v1")}) != key()  # other tokens
+    assert key(cost={**cost, "steps": 20}) != key()
+    assert key(scoring={"job": {}, "k": [1, 3]}) != key()
+    ours = {"lr": 1e-3, "ttt_steps": 2, "vocab": "ours"}
+    assert key(settings=ours)["vocab_sha256"] == "v1"
+    assert key(settings=ours, cost={**cost, "handover": _handover(vocab="v2")}) != key(settings=ours)
+
+
+def test_a_peer_stops_when_our_run_hands_it_other_inputs_than_its_key_holds(tmp_path: Path, monkeypatch) -> None:
+    import pytest
+
+    monkeypatch.setattr(pp, "train_ours", lambda cell, steps, overrides, seed, name: {
+        "steps": steps, "tokens_trained": 3000, "handover": _handover("changed")})
+    monkeypatch.setattr(pp, "train_peer", lambda *a: pytest.fail("trained on other inputs"))
+    recipe = {"target": {"path": str(tmp_path)}, "data": {"max_length": 64}}
+    trainers = pp.Trainers(tmp_path, 30, 0, recipe, 2)
+    settings = {"lr": 1e-3, "ttt_steps": 2, "vocab": None}
+    kept = {"steps": 30, "tokens_trained": 3000, "handover": _handover("t1")}
+    job = pr.peer_job("speculators", tmp_path, "ours", kept, recipe, settings, 2, 0, "speculators")
+    with pytest.raises(SystemExit, match="other inputs than its kept cost: \\['tokens_sha256'\\]"):
+        trainers.peer("speculators", [], settings, job)
 
 
 def test_a_second_run_on_the_same_work_directory_stops_in_one_line(tmp_path: Path) -> None:
@@ -217,13 +270,26 @@ def test_the_sweep_prints_the_grid_as_far_as_its_runs_are_kept(tmp_path: Path, c
 
     import peer_sweep
 
-    args = argparse.Namespace(lr=[1e-3, 3e-3], ttt=[2], peers=["specforge"], results=tmp_path)
-    key = {"code": "c1", "steps": 30}
-    runs = peer_sweep.point_runs(key, 1e-3, 2, ["specforge"], tmp_path)
-    assert runs["specforge"][0] == tmp_path / "sweep" / "specforge-lr0.001-ttt2.json"
-    assert runs["specforge"][1]["settings"] == {**pr.SPECFORGE, "lr": 1e-3, "ttt_length": 2}
-    pr.keep(runs["ours"][0], runs["ours"][1], {"scores": {"3": {"validation": _counts(100, [30, 10, 0])}}})
-    pr.keep(runs["specforge"][0], {**runs["specforge"][1], "code": "c0"}, {"scores": {}})  # made by other code
+    args = argparse.Namespace(lr=[1e-3, 3e-3], ttt=[2], peers=["specforge"], results=tmp_path, work=tmp_path,
+                              threads=2)
+    (tmp_path / "config.json").write_text("{}")
+    recipe = {"target": {"path": str(tmp_path)}, "data": {"max_length": 64}}
+    key = {"code": "c1", "steps": 30, "recipe": recipe, "scoring": {"sets": {}}, "ours_base": ["train.optimizer=muon"]}
+    (ours_path, ours_key), peers = peer_sweep.point_runs(key, 1e-3, 2, ["specforge"], tmp_path)
+    assert ours_path == tmp_path / "sweep" / f"{pr.ours_name(key['ours_base'])}-lr0.001-ttt2.json"
+    assert ours_key["overrides"] == ["train.optimizer=muon", "train.lr=0.001", "train.unroll=2"]
+    path, settings = peers["specforge"]
+    assert path == tmp_path / "sweep" / "specforge-lr0.001-ttt2.json"
+    assert settings == {**pr.SPECFORGE, "lr": 1e-3, "ttt_length": 2}
+    cost = {"steps": 30, "tokens_trained": 3000, "handover": _handover()}
+    pr.keep(ours_path, ours_key, {"cost": cost, "scores": {"3": {"validation": _counts(100, [30, 10, 0])}}})
+    job = pr.peer_job("specforge", tmp_path / "sweep-sgd-1x-s0", pr.ours_name(ours_key["overrides"]), cost, recipe,
+                      settings, 2, 0, path.stem)
+    peer_key = pr.peer_key("specforge", job, cost, {"job": key["scoring"], "k": [3]})
+    pr.keep(path, peer_key, {"scores": {"3": {"validation": _counts(100, [20, 0, 0])}}})
     peer_sweep.print_kept(key, args)
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[-2:] == ["| 0.001 | 2 | 1.400 | – | yes |", "| 0.003 | 2 | – | – | – |"]
+    assert capsys.readouterr().out.splitlines()[-2:] == ["| 0.001 | 2 | 1.400 | 1.200 | yes |",
+                                                          "| 0.003 | 2 | – | – | – |"]
+    pr.keep(path, {**peer_key, "code": "c0"}, {"scores": {}})  # made by other code: not shown
+    peer_sweep.print_kept(key, args)
+    assert capsys.readouterr().out.splitlines()[-2] == "| 0.001 | 2 | 1.400 | – | yes |"
