@@ -1,5 +1,6 @@
 # Two entry points: `make demo` (set up + run the tiny default) and `make test` (set up, fetch the real
-# SmolLM2 target its tests use, run the tests). `make smollm2` alone fetches and converts SmolLM2-135M-Instruct.
+# SmolLM2 target its tests use, run the tests). `make smollm2` alone fetches and converts SmolLM2-135M-Instruct;
+# `make gemma3` fetches and converts Gemma 3 270M (the Gemma Terms of Use apply: docs/targets.md).
 # `make vllm` builds vLLM's CPU build in a virtualenv of its own (.venv-vllm/, about 5 minutes) for
 # bench/vllm_check.py and the test that serves an exported head in vLLM (skipped without it). `make peers` builds
 # SpecForge 0.2.0, the peer trainer of bench/peers/, in .venv-peers/ (CPU torch, offline EAGLE-3 only, patched;
@@ -29,7 +30,7 @@ SPECULATORS_DEPS := transformers==5.19.0 datasets==5.1.0 numpy==2.4.6 tqdm==4.70
 	huggingface-hub==2.4.0 openai==3.63.0 protobuf==7.36.2 psutil==7.2.2 safetensors==0.8.0 pyyaml==6.0.4 \
 	packaging==26.4
 
-.PHONY: demo test venv smollm2 vllm peers speculators clean
+.PHONY: demo test venv smollm2 gemma3 vllm peers speculators clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -48,6 +49,10 @@ demo: $(STAMP)
 smollm2: $(STAMP)
 	$(BIN)/python -c "import gguf" 2>/dev/null || $(BIN)/python -m pip install --quiet -e '.[test,smollm2]'
 	$(BIN)/python -m mtp_train.tools.smollm2
+
+gemma3: $(STAMP)
+	$(BIN)/python -c "import gguf" 2>/dev/null || $(BIN)/python -m pip install --quiet -e '.[test,smollm2]'
+	$(BIN)/python -m mtp_train.tools.gemma3
 
 # vLLM pins the same CPU torch and its own transformers (<5.20), so it lives apart from .venv. Its torchvision,
 # torchaudio and torchcodec binaries do not match torch 2.13 and break `import vllm`: they are removed.
