@@ -166,7 +166,7 @@ def check_recipe(recipe: Recipe, cfg: ModelConfig) -> None:
     from mtp_train.train.checkpoint import target_mtp_layers
 
     e = recipe.eval
-    check_latent(recipe.target.attention_backend, cfg.mla is not None)
+    check_latent(recipe.target.attention_backend, cfg.torch_only)
     if e.draft_model is not None:
         draft = find_checkpoint(e.draft_model, "eval.draft_model")
         check_draft_vocab(ModelConfig.from_hf(draft.config, str(draft.root / "config.json")).vocab_size,

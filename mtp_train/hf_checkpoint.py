@@ -11,7 +11,8 @@ from mtp_train.errors import UserError
 
 SINGLE_WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "deepseek_v2", "deepseek_v3")  # the decoder families mtp_train.models implements
+# the decoder families mtp_train.models implements
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "deepseek_v2", "deepseek_v3")
 
 
 @dataclass(frozen=True)

@@ -173,7 +173,7 @@ def check_recipe(recipe: Recipe, cfg: ModelConfig) -> None:
 
     eagle3_layers(recipe, cfg)
     if recipe.data.regenerate or recipe.precompute.mode != "online":
-        check_latent(recipe.target.attention_backend, cfg.mla is not None)
+        check_latent(recipe.target.attention_backend, cfg.torch_only)
 
 
 def resolve_worker(rank: int | None, world: int | None, tp: int) -> Worker:

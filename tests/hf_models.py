@@ -29,6 +29,13 @@ FAMILY_OPTIONS = {
     "mistral": dict(sliding_window=12, rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
     "qwen2": dict(rope_parameters=dict(rope_type="default", rope_theta=1000000.0)),
     "qwen3": dict(head_dim=32, rope_parameters=dict(rope_type="default", rope_theta=1000000.0)),
+    # Gemma 3: windowed and global layers, each kind with its own rope, a window the parity tests' 30 tokens pass.
+    "gemma3_text": dict(
+        head_dim=16, query_pre_attn_scalar=16, sliding_window=12,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters=dict(sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+                             full_attention=dict(rope_type="default", rope_theta=1000000.0)),
+    ),
     # DeepSeek at real head and rope sizes (qk 128 + 64, v 128, latent 512), a few small experts, YaRN as released
     # (V2-Lite's rope; for V3 an mscale pair whose cos/sin factor is not 1), one dense layer first.
     "deepseek_v2": dict(

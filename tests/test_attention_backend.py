@@ -25,7 +25,7 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 def test_backend_name(monkeypatch, capsys, name, device, dtype, latent, want):
     monkeypatch.setattr(attention, "_flashinfer_installed", lambda: True)
     monkeypatch.setattr(attention, "_noticed", set())
-    assert attention.backend_name(name, device, dtype, latent) == want
+    assert attention.backend_name(name, device, dtype, "MLA (DeepSeek)" if latent else None) == want
     notice = capsys.readouterr().err
     assert ("no float32 kernels" in notice) == (name == "flashinfer" and want == "torch"), notice
 
@@ -34,7 +34,7 @@ def test_backend_name(monkeypatch, capsys, name, device, dtype, latent, want):
                                                      (CUDA, True, "not wired for MLA")])
 def test_flashinfer_where_it_cannot_run_is_a_user_error(device, latent, message):
     with pytest.raises(UserError, match=message):
-        attention.backend_name("flashinfer", device, torch.bfloat16, latent)
+        attention.backend_name("flashinfer", device, torch.bfloat16, "MLA (DeepSeek)" if latent else None)
 
 
 def test_flashinfer_workspace_is_at_least_512_mib():

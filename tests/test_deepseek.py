@@ -116,7 +116,7 @@ def test_unsupported_deepseek_options_are_refused(tmp_path):
     with pytest.raises(UserError, match="flashinfer is not wired for MLA"):
         from mtp_train.runtime.attention import select_backend
 
-        select_backend("flashinfer", torch.device("cpu"), None, latent=True)
+        select_backend("flashinfer", torch.device("cpu"), None, torch_only="MLA (DeepSeek)")
 
 
 # -- DeepSeek's MTP layer as a draft ------------------------------------------------------------------------------

@@ -129,8 +129,9 @@ class DraftHead(nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope)
 
     def layer_config(self) -> ModelConfig:
-        """The config the head's decoder layers are built from: the target's, unless a kind's layer differs."""
-        return self.spec.target
+        """The config the head's decoder layers are built from: the target's (a Llama layer for a Gemma 3 target:
+        ``ModelConfig.plain_layer``), unless a kind's layer differs."""
+        return self.spec.target.plain_layer()
 
     def fuse(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """``[T, H]`` embeddings of t_{i+1} and hidden inputs h_i -> the decoder's input ``[T, H]``."""

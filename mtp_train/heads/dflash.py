@@ -45,7 +45,7 @@ class DFlashHead(DraftHead):
         self.mask_embedding = nn.Parameter(torch.zeros(h))  # the trainer starts it at the target's mask_token_id row
 
     def layer_config(self) -> ModelConfig:
-        return replace(self.spec.target, qk_norm=True, qkv_bias=False, o_bias=False, mlp_bias=False,
+        return replace(self.spec.target.plain_layer(), qk_norm=True, qkv_bias=False, o_bias=False, mlp_bias=False,
                        sliding_window=None)
 
     def project(self, aux: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,12 @@ _NORMS: dict[str, list[Source]] = {
     "attention_norm.weight": [("input_layernorm.weight", None)],
     "ffn_norm.weight": [("post_attention_layernorm.weight", None)],
 }
+_GEMMA_NORMS: dict[str, list[Source]] = {  # Gemma 3: a norm before and after each of attention and the MLP
+    "attention_norm.weight": [("input_layernorm.weight", None)],
+    "post_attention_norm.weight": [("post_attention_layernorm.weight", None)],
+    "ffn_norm.weight": [("pre_feedforward_layernorm.weight", None)],
+    "post_ffn_norm.weight": [("post_feedforward_layernorm.weight", None)],
+}
 _ATTENTION: dict[str, list[Source]] = {
     "attention.wqkv.weight": [(f"self_attn.{x}_proj.weight", COLUMN) for x in "qkv"],
     "attention.wqkv.bias": [(f"self_attn.{x}_proj.bias", COLUMN) for x in "qkv"],
@@ -77,7 +83,8 @@ def _experts(num_experts: int) -> dict[str, list[Source]]:
 def layer_params(cfg: ModelConfig, moe: bool = False) -> dict[str, list[Source]]:
     """Runtime layer parameter (relative to the layer) -> its HF tensors, for a decoder layer of ``cfg``'s family,
     with experts when ``moe``."""
-    table = {**_NORMS, **(_LATENT_ATTENTION if cfg.mla is not None else _ATTENTION)}
+    table = {**(_GEMMA_NORMS if cfg.sandwich_norms else _NORMS),
+             **(_LATENT_ATTENTION if cfg.mla is not None else _ATTENTION)}
     table.update(_experts(cfg.moe.num_experts) if moe and cfg.moe is not None else _mlp("mlp.", "feed_forward."))
     return table
 
@@ -169,6 +176,8 @@ def load_transformer(
         state["output.weight"] = state["tok_embeddings.weight"]
     model.load_state_dict(state, strict=True, assign=True)
     model.rope = RotaryEmbedding(cfg.head_dim, cfg.rope).to(device)
+    if cfg.local_rope is not None:
+        model.local_rope = RotaryEmbedding(cfg.head_dim, cfg.local_rope).to(device)
     return model.eval().requires_grad_(False)
 
 

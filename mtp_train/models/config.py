@@ -6,7 +6,7 @@ experts); the Llama families leave both ``None``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mtp_train.errors import UserError
@@ -71,8 +71,12 @@ class MoEConfig:
 class ModelConfig:
     """Shapes and options of a Llama-family decoder.
 
-    ``qkv_bias`` is Qwen2's (or Llama's ``attention_bias``, which also sets ``o_bias``); ``qk_norm`` is Qwen3's per-head RMSNorm on queries and keys;
-    ``sliding_window`` is Mistral's (None means full attention).
+    ``qkv_bias`` is Qwen2's (or Llama's ``attention_bias``, which also sets ``o_bias``); ``qk_norm`` is Qwen3's and
+    Gemma 3's per-head RMSNorm on queries and keys; ``sliding_window`` is Mistral's (None means full attention).
+    Gemma 3's: ``norm_offset`` (every RMSNorm scales by ``offset + weight``), ``embed_scale`` (the embeddings times
+    √hidden), ``sandwich_norms`` (norms after attention and after the MLP too, before their residuals),
+    ``activation`` (``gelu_tanh``), ``layer_windows`` (per layer a sliding window, 0 for global attention; empty:
+    every layer ``sliding_window``) and ``local_rope`` (the rope of the windowed layers).
     """
 
     family: str
@@ -94,6 +98,31 @@ class ModelConfig:
     sliding_window: int | None = None
     mla: MLAConfig | None = None
     moe: MoEConfig | None = None
+    norm_offset: float = 0.0
+    embed_scale: float = 1.0
+    sandwich_norms: bool = False
+    activation: str = "silu"
+    layer_windows: tuple[int, ...] = ()
+    local_rope: RopeConfig | None = None
+
+    @property
+    def torch_only(self) -> str | None:
+        """What of this model only the runtime's torch attention implements, or None."""
+        if self.mla is not None:
+            return "MLA (DeepSeek)"
+        return "per-layer sliding windows (Gemma 3)" if self.layer_windows else None
+
+    def layer_window(self, index: int) -> int | None:
+        """Layer ``index``'s sliding window (None: it attends globally)."""
+        return (self.layer_windows[index] or None) if self.layer_windows else self.sliding_window
+
+    def plain_layer(self) -> ModelConfig:
+        """The config of a draft head's decoder layer for this target: the target's own, but for a Gemma 3 target a
+        Llama layer of its sizes and global rope (the engines' EAGLE drafters are Llama layers for every target)."""
+        if not self.sandwich_norms:
+            return self
+        return replace(self, norm_offset=0.0, embed_scale=1.0, sandwich_norms=False, activation="silu",
+                       qk_norm=False, layer_windows=(), local_rope=None)
 
     def is_moe_layer(self, index: int) -> bool:
         return self.moe is not None and index >= self.moe.first_dense_layers
@@ -112,11 +141,15 @@ class ModelConfig:
         data["rope"] = RopeConfig(**data["rope"])
         data["mla"] = MLAConfig(**data["mla"]) if data.get("mla") else None
         data["moe"] = MoEConfig(**data["moe"]) if data.get("moe") else None
+        data["local_rope"] = RopeConfig(**data["local_rope"]) if data.get("local_rope") else None
+        data["layer_windows"] = tuple(data.get("layer_windows", ()))
         return cls(**data)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
         family = require_family(hf, source)
+        if family == "gemma3_text":
+            return _gemma3_from_hf(cls, hf, source)
 
         def need(key: str) -> Any:
             if key not in hf:
@@ -230,3 +263,45 @@ def _rope_from_hf(hf: dict[str, Any], source: str) -> RopeConfig:
             params.get("original_max_position_embeddings", hf.get("max_position_embeddings", 8192))
         ),
     )
+
+
+def _gemma3_from_hf(cls: type[ModelConfig], hf: dict[str, Any], source: str) -> ModelConfig:
+    """Gemma 3's text decoder (``gemma3_text``): sliding and global layers (``layer_types``), each kind with its own
+    rope; the options this runtime does not implement are refused in one line."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if hf.get(key) is not None:
+            raise UserError(f"{source}: {key} {hf[key]} is not supported (Gemma 3 sets it null); set it to null")
+    if hf.get("use_bidirectional_attention"):
+        raise UserError(f"{source}: use_bidirectional_attention is not supported; set it to false")
+    if hf.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise UserError(f"{source}: hidden_activation {hf['hidden_activation']!r} is not supported; supported: "
+                        "gelu_pytorch_tanh")
+    heads, hidden = int(hf["num_attention_heads"]), int(hf["hidden_size"])
+    head_dim = int(hf.get("head_dim") or hidden // heads)
+    if float(hf.get("query_pre_attn_scalar", head_dim)) != head_dim:
+        raise UserError(f"{source}: query_pre_attn_scalar {hf['query_pre_attn_scalar']} is not supported: this "
+                        f"runtime scales attention by head_dim ** -0.5 (head_dim {head_dim})")
+    layers = int(hf["num_hidden_layers"])
+    kinds = hf.get("layer_types") or [
+        "full_attention" if (i + 1) % int(hf.get("sliding_window_pattern", 6)) == 0 else "sliding_attention"
+        for i in range(layers)]
+    if len(kinds) != layers or set(kinds) - {"sliding_attention", "full_attention"}:
+        raise UserError(f"{source}: layer_types must give sliding_attention or full_attention for each of the "
+                        f"{layers} layers")
+    window = int(hf.get("sliding_window") or 0)
+    params = hf.get("rope_parameters") or {}
+    if "full_attention" in params:  # transformers 5: one rope per layer kind
+        full, local = (_rope_from_hf({"rope_parameters": params[k]}, source)
+                       for k in ("full_attention", "sliding_attention"))
+    else:  # the released config: rope_theta (+ rope_scaling) globally, rope_local_base_freq in the windows
+        full = _rope_from_hf(hf, source)
+        local = RopeConfig(theta=float(hf.get("rope_local_base_freq", 10000.0)))
+    return cls(
+        family="gemma3_text", vocab_size=int(hf["vocab_size"]), hidden_size=hidden,
+        intermediate_size=int(hf["intermediate_size"]), num_layers=layers, num_heads=heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or heads), head_dim=head_dim,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), max_positions=int(hf.get("max_position_embeddings", 32768)),
+        rope=full, tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        qkv_bias=bool(hf.get("attention_bias", False)), o_bias=bool(hf.get("attention_bias", False)), qk_norm=True,
+        norm_offset=1.0, embed_scale=hidden**0.5, sandwich_norms=True, activation="gelu_tanh",
+        layer_windows=tuple(window if k == "sliding_attention" else 0 for k in kinds), local_rope=local)

@@ -36,12 +36,18 @@ class AttentionPlan(Protocol):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """RMSNorm scaling by ``weight``, or by ``offset + weight`` (Gemma's ``1 + weight``, computed in fp32 as HF
+    does)."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
-        self.eps = eps
+        self.eps, self.offset = eps, offset
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.offset:
+            normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
+            return (normed * (self.offset + self.weight.float())).to(x.dtype)
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op
         # Low precision: statistics in fp32, then scale in the input dtype, as HF does.
@@ -87,7 +93,8 @@ class Linear(nn.Linear):
 
 
 class FeedForward(nn.Module):
-    """The gated MLP; ``reduce=False`` leaves the all-reduce to the caller (DeepSeek's shared experts)."""
+    """The gated MLP (SiLU, or Gemma's tanh-approximated GELU: ``cfg.activation``); ``reduce=False`` leaves the
+    all-reduce to the caller (DeepSeek's shared experts)."""
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel, intermediate: int | None = None,
                  reduce: bool = True) -> None:
@@ -97,8 +104,10 @@ class FeedForward(nn.Module):
         self.w_gate_up = Linear(cfg.hidden_size, 2 * inter, bias=cfg.mlp_bias)  # rows [gate | up]
         self.w_down = Linear(inter, cfg.hidden_size, bias=False)
         self.w_down_bias = nn.Parameter(torch.zeros(cfg.hidden_size)) if cfg.mlp_bias else None
+        self.gelu = cfg.activation == "gelu_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w_gate_up(x).chunk(2, dim=-1)
-        out = self.tp.all_reduce(self.w_down(F.silu(gate) * up))
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        out = self.tp.all_reduce(self.w_down(act * up))
         return out if self.w_down_bias is None else out + self.w_down_bias

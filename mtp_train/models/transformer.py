@@ -27,8 +27,11 @@ __all__ = ["AttentionPlan", "CosSin", "DecoderLayer", "FeedForward", "KVPages", 
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
+    """``window``: this layer's own sliding window where the model's layers differ (Gemma 3), passed to the plan."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, window: int | None = None) -> None:
         super().__init__()
+        self.window = window
         self.head_dim = cfg.head_dim
         self.n_heads = cfg.num_heads // tp.size
         self.n_kv_heads = cfg.num_kv_heads // tp.size
@@ -38,8 +41,8 @@ class Attention(nn.Module):
         self.wo = Linear(self.n_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         # Row-parallel bias is added once, after the all-reduce.
         self.wo_bias = nn.Parameter(torch.zeros(cfg.hidden_size)) if cfg.o_bias else None
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_offset) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_offset) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos_sin: CosSin, plan: AttentionPlan, kv: KVPages) -> torch.Tensor:
         """``x [T, hidden]`` -> ``[T, hidden]``; writes this step's K/V into the ``kv`` pages."""
@@ -50,7 +53,11 @@ class Attention(nn.Module):
             q, k = qk.split([self.n_heads, self.n_kv_heads], dim=1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         q, k = RotaryEmbedding.rotate(qk, *cos_sin).split([self.n_heads, self.n_kv_heads], dim=1)
-        out = plan.attend(q, k, v, kv[0], kv[1]).reshape(t, self.n_heads * self.head_dim)
+        if self.window is None:
+            out = plan.attend(q, k, v, kv[0], kv[1])
+        else:
+            out = plan.attend(q, k, v, kv[0], kv[1], window=self.window)
+        out = out.reshape(t, self.n_heads * self.head_dim)
         out = self.tp.all_reduce(self.wo(out))
         return out if self.wo_bias is None else out + self.wo_bias
 
@@ -65,7 +72,9 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention and MLP with residuals; DeepSeek's is latent attention, with experts when ``moe``.
+    """Pre-norm attention and MLP with residuals (Gemma's with norms after each too, ``cfg.sandwich_norms``);
+    DeepSeek's is latent attention, with experts when ``moe``. ``index``: the layer's place in the target (its
+    sliding window and rope where they differ per layer, Gemma 3).
 
     ``decode_weights``: the layer's weights in the form a plan's ``run_layer`` takes to run the whole layer in one
     call (the runtime's CPU decode kernel sets it, ``runtime/small_batch.py``); the plan answers None for a step it
@@ -74,17 +83,26 @@ class DecoderLayer(nn.Module):
 
     decode_weights: object | None = None
 
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel, moe: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, moe: bool = False, index: int | None = None) -> None:
         super().__init__()
-        self.attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attention = LatentAttention(cfg, tp) if cfg.mla is not None else Attention(cfg, tp)
-        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        window = cfg.layer_window(index) if cfg.layer_windows and index is not None else None
+        self.local = window is not None and cfg.local_rope is not None  # rotates by the model's local rope
+        self.attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+        self.attention = LatentAttention(cfg, tp) if cfg.mla is not None else Attention(cfg, tp, window)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.feed_forward = MoE(cfg, tp) if moe else FeedForward(cfg, tp)
+        self.post_attention_norm = self.post_ffn_norm = None
+        if cfg.sandwich_norms:
+            self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+            self.post_ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
 
     def forward(self, x: torch.Tensor, cos_sin: CosSin, plan: AttentionPlan, kv: KVPages) -> torch.Tensor:
         run = getattr(plan, "run_layer", None) if self.decode_weights is not None and decode_copies() else None
         if run is not None and (out := run(x, self.decode_weights, cos_sin, kv)) is not None:
             return out
+        if self.post_attention_norm is not None and self.post_ffn_norm is not None:
+            h = x + self.post_attention_norm(self.attention(self.attention_norm(x), cos_sin, plan, kv))
+            return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))
         h = x + self.attention(self.attention_norm(x), cos_sin, plan, kv)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -102,10 +120,11 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.tp = tp
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, cfg.is_moe_layer(i)) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, cfg.is_moe_layer(i), i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.output = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope)
+        self.local_rope = None if cfg.local_rope is None else RotaryEmbedding(cfg.head_dim, cfg.local_rope)
 
     def forward(
         self,
@@ -120,15 +139,24 @@ class Transformer(nn.Module):
         Returns the last layer's output **before** the final norm ``[T, hidden]`` and the
         outputs of the layers listed in ``capture`` (0-based layer ids), each ``[T, hidden]``.
         """
-        x = self.tok_embeddings(tokens)
+        x = self.embed(tokens)
         cos_sin = self.rope.cos_sin(positions, x.dtype)
+        local = cos_sin if self.local_rope is None else self.local_rope.cos_sin(positions, x.dtype)
         captured: dict[int, torch.Tensor] = {}
         wanted = set(capture)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos_sin, plan, kv_cache[i])
+            x = layer(x, local if layer.local else cos_sin, plan, kv_cache[i])
             if i in wanted:
                 captured[i] = x
         return x, [captured[i] for i in capture]
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``tokens [T]`` -> the decoder's input ``[T, hidden]``: the embeddings, times ``cfg.embed_scale`` (Gemma's
+        √hidden, rounded to the embeddings' dtype first, as HF does)."""
+        x = self.tok_embeddings(tokens)
+        if self.cfg.embed_scale != 1.0:
+            x = x * torch.tensor(self.cfg.embed_scale, dtype=torch.float32).to(x.dtype)
+        return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]`` pre-norm states -> ``[T, vocab]`` float32 logits."""

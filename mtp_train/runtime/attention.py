@@ -139,7 +139,7 @@ class TorchStep:
         self._pageable = bool(self._by_len and causal and sliding_window is None and meta.tree is None
                               and meta.tokens.device.type == "cpu" and small_rows.kernel() is not None)
         self._paged: tuple[torch.Tensor | slice, tuple[torch.Tensor, ...]] | None = None
-        self._window_chunks: list[WindowChunk] | None = None
+        self._window_chunks: dict[int, list[WindowChunk]] = {}
 
     @property
     def paged(self) -> tuple[torch.Tensor | slice, tuple[torch.Tensor, ...]]:
@@ -159,13 +159,12 @@ class TorchStep:
                                  self.meta.page_indices.long())
         return self._paged
 
-    @property
-    def window_chunks(self) -> list[WindowChunk]:
-        """With a sliding window: the step's query chunks, their keys' slots and masks (built once, for every
-        layer)."""
-        if self._window_chunks is None:
-            self._window_chunks = window_plan(self.meta, self.sliding_window, self.causal)
-        return self._window_chunks
+    def window_chunks(self, window: int) -> list[WindowChunk]:
+        """Under a sliding ``window``: the step's query chunks, their keys' slots and masks (built once per window,
+        for every layer)."""
+        if window not in self._window_chunks:
+            self._window_chunks[window] = window_plan(self.meta, window, self.causal)
+        return self._window_chunks[window]
 
     @property
     def groups(self) -> list[_Group]:
@@ -186,13 +185,15 @@ class TorchStep:
         return small_rows.decode_layer(x.contiguous(), weights, *cos_sin, *kv, *self._indexes)
 
     def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """``q [T, Hq, D]``, ``k``/``v [T, Hkv, D]`` -> ``[T, Hq, D]``, after writing ``k``/``v`` to the cache."""
+        """``q [T, Hq, D]``, ``k``/``v [T, Hkv, D]`` -> ``[T, Hq, D]``, after writing ``k``/``v`` to the cache;
+        ``window``: this layer's own sliding window (Gemma 3's windowed layers), else the plan's."""
         self.write(k, v, k_cache, v_cache)
-        if self.sliding_window is not None:
+        if (window := window or self.sliding_window) is not None:
             flat_k, flat_v = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
-            return windowed_attention(q, self.window_chunks,
+            return windowed_attention(q, self.window_chunks(window),
                                       lambda slots: (flat_k.index_select(0, slots), flat_v.index_select(0, slots)))
         paged = None
         if self._pageable and q.dtype == k_cache.dtype == torch.float32 and not q.requires_grad and decode_copies():
@@ -218,7 +219,7 @@ class TorchStep:
                 g = flat.index_select(0, s)
                 return g, g[..., :v_dim]
 
-            return windowed_attention(q, self.window_chunks, slots, scale)
+            return windowed_attention(q, self.window_chunks(self.sliding_window), slots, scale)
 
         def gather(pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             g = cache.index_select(0, pages)
@@ -300,23 +301,25 @@ def _notice(line: str) -> None:
         print(line, file=sys.stderr)
 
 
-def check_latent(name: str, latent: bool) -> None:
-    """``backend_name``'s refusal that the recipe (``target.attention_backend``) and the target's config (``latent``:
-    MLA) decide alone, which ``mtp_train.pipeline.check_recipe`` makes before any stage runs."""
+def check_latent(name: str, torch_only: str | None) -> None:
+    """``backend_name``'s refusal that the recipe (``target.attention_backend``) and the target's config
+    (``torch_only``: ``ModelConfig.torch_only``) decide alone, which ``mtp_train.pipeline.check_recipe`` makes before
+    any stage runs."""
     from mtp_train.errors import UserError
 
-    if latent and name == "flashinfer":
-        raise UserError("target.attention_backend: flashinfer is not wired for MLA (DeepSeek) targets in this "
+    if torch_only and name == "flashinfer":
+        raise UserError(f"target.attention_backend: flashinfer is not wired for {torch_only} targets in this "
                         "runtime; use torch or auto")
 
 
-def backend_name(name: str, device: torch.device, dtype: torch.dtype, latent: bool = False,
+def backend_name(name: str, device: torch.device, dtype: torch.dtype, torch_only: str | None = None,
                  head_dim: int | None = None, sliding_window: int | None = None) -> str:
     """Which backend ``name`` (the recipe's ``target.attention_backend``: auto, torch or flashinfer) resolves to.
 
     ``auto`` picks flashinfer on CUDA in bf16/fp16 when it is installed (the ``gpu`` extra), and torch otherwise.
     FlashInfer has no float32 kernels: fp32 on CUDA takes the torch backend, with a notice when flashinfer was asked
-    for by name. ``latent``: the model uses MLA (DeepSeek), whose paged latent attention only torch implements.
+    for by name. ``torch_only``: what of the model only the torch backend implements (``ModelConfig.torch_only``:
+    MLA's paged latent attention, Gemma 3's per-layer windows), or None.
     With ``head_dim``, flashinfer's kernels for it are built or loaded now (``flashinfer_backend.load_kernels``);
     where they cannot be (a node without nvcc and no prebuilt kernels), ``auto`` takes the torch backend with a
     notice and ``flashinfer`` is refused.
@@ -325,8 +328,8 @@ def backend_name(name: str, device: torch.device, dtype: torch.dtype, latent: bo
 
     if name not in ("auto", "torch", "flashinfer"):
         raise ValueError(name)
-    if latent:
-        check_latent(name, latent)
+    if torch_only:
+        check_latent(name, torch_only)
         return "torch"
     if name == "flashinfer" and device.type != "cuda":
         raise UserError("target.attention_backend: flashinfer needs a CUDA device; use torch or auto on CPU")
@@ -365,11 +368,11 @@ def _kernels_missing(device: torch.device, dtype: torch.dtype, head_dim: int, sl
 
 def select_backend(
     name: str, device: torch.device, sliding_window: int | None, dtype: torch.dtype = torch.float32,
-    latent: bool = False, head_dim: int | None = None,
+    torch_only: str | None = None, head_dim: int | None = None,
 ) -> AttentionBackend:
     """The attention backend that ``name`` resolves to (:func:`backend_name`), built for ``device``; with
     ``head_dim``, flashinfer only where its kernels for it load."""
-    if backend_name(name, device, dtype, latent, head_dim, sliding_window) == "torch":
+    if backend_name(name, device, dtype, torch_only, head_dim, sliding_window) == "torch":
         return TorchAttention(sliding_window)
     from mtp_train.runtime.flashinfer_backend import FlashInferAttention
 

@@ -73,7 +73,7 @@ class Drafter:
         cfg = dataclasses.replace(self.kv_config(), num_layers=num_layers)
         self.kv = KVPool(cfg, self.allocator, dtype, engine.device) if self.leader else None
         self.backend = select_backend(engine.backend_name, engine.device, sliding_window, dtype,
-                                      latent=cfg.mla is not None, head_dim=cfg.head_dim)
+                                      torch_only=cfg.torch_only, head_dim=cfg.head_dim)
         self.heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.carried: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # request id -> (logits [V], hidden [H])
 
@@ -251,7 +251,7 @@ class HeadDrafter(Drafter):
         return Feed(seq, 0, token, self.carried[seq.request_id][1][None])
 
     def run(self, tokens, positions, hidden, plan):
-        return self.head.run(self.target.tok_embeddings(tokens), hidden, positions, plan, self.kv.layers)
+        return self.head.run(self.target.embed(tokens), hidden, positions, plan, self.kv.layers)
 
     def logits(self, out):
         x = self.head.lm_head_input(out)
@@ -317,7 +317,7 @@ class BlockDrafter(HeadDrafter):
         bounds = meta.host_qo_indptr.tolist()
         first = to_device(torch.tensor(bounds[:-1]), self.engine.device)
         embeds = self.head.mask_embedding.to(self.target.output.weight.dtype).expand(meta.tokens.numel(), -1).clone()
-        embeds[first] = self.target.tok_embeddings(meta.tokens[first])
+        embeds[first] = self.target.embed(meta.tokens[first])
         context = self._context(seqs)  # planned first: FlashInfer's wrapper keeps the last plan, the block's; the
         # context's plan only writes (paged append, from its own indices)
         out = self.head.run(embeds, None, meta.positions, self.backend.plan(meta, *self.heads, causal=False),
@@ -358,7 +358,7 @@ class ParallelDrafter(BlockDrafter):
         seqs = [seq for seq, _ in batch]
         meta = build_batch(tokens, starts, [seq.draft_pages.pages for seq in seqs], self.allocator.page_size,
                            self.engine.device)
-        out = self.head.run(self.target.tok_embeddings(meta.tokens), torch.cat(hidden), meta.positions,
+        out = self.head.run(self.target.embed(meta.tokens), torch.cat(hidden), meta.positions,
                             self.backend.plan(meta, *self.heads), self.kv.layers)
         bounds = meta.host_qo_indptr.tolist()
         rows = [[bounds[b] + n - 1 + min(j, max(0, k_b - 1)) for j in range(k)]

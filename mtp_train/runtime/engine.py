@@ -64,7 +64,7 @@ def reserved_for(target: TargetConfig, cfg: ModelConfig, dtype: torch.dtype, dev
                  drafters: int = 0) -> int:
     """``runtime.reserve.reserved_bytes`` for this rank's engine and ``drafters`` drafters with attention: one
     FlashInfer workspace each where the backend resolves to flashinfer, and NCCL's buffers under tensor parallelism."""
-    flashinfer = backend_name(target.attention_backend, device, dtype, cfg.mla is not None, cfg.head_dim,
+    flashinfer = backend_name(target.attention_backend, device, dtype, cfg.torch_only, cfg.head_dim,
                               cfg.sliding_window) == "flashinfer"
     return reserved_bytes((1 + drafters) if flashinfer else 0, tp_size)
 
@@ -140,8 +140,8 @@ class Engine:
         self.allocator = PageAllocator(num_pages, page_size)
         self.kv = KVPool(self.cfg, self.allocator, dtype, self.device, self.tp.size)
         self.backend_name = backend  # as the recipe asked (auto, torch, flashinfer): drafters follow it
-        self.backend = select_backend(backend, self.device, self.cfg.sliding_window, dtype, latent=self.cfg.mla is not None,
-                                      head_dim=self.cfg.head_dim)
+        self.backend = select_backend(backend, self.device, self.cfg.sliding_window, dtype,
+                                      torch_only=self.cfg.torch_only, head_dim=self.cfg.head_dim)
         self.small_batch_layout = small_batch_layout and self.device.type == "cpu"  # drafters follow it
         if self.device.type == "cpu":
             keep_freed_memory()

@@ -70,4 +70,4 @@ def check_recipe(recipe: Recipe, cfg: ModelConfig) -> None:
     with torch.device("meta"):
         build_head(spec)
     if recipe.precompute.mode == "online":
-        check_latent(recipe.target.attention_backend, cfg.mla is not None)
+        check_latent(recipe.target.attention_backend, cfg.torch_only)
