@@ -121,3 +121,21 @@ def test_chains_and_trees_on_a_target_with_windowed_layers_are_lossless(tmp_path
     out = decoder.generate(prompts, params)
     assert [r.tokens for r in out] == plain and decoder.greedy_violations == 0
     assert sum(a for r in out for a in r.stats.accepted) > 0 and sum(r.stats.preemptions for r in out) > 0
+
+
+def test_the_trainers_frozen_parts_are_the_targets_and_a_heads_layer_is_a_llama_layer(tmp_path):
+    """FrozenTarget's embedding (times √hidden) and final norm (by 1 + w) equal transformers' Gemma 3 modules, and
+    an eagle3 head for it has a Llama decoder layer of its sizes (no norms after attention or MLP, SiLU)."""
+    from mtp_train.heads import build_head, head_spec
+    from mtp_train.heads.frozen import FrozenTarget
+
+    model = save_random_model("gemma3_text", tmp_path)
+    frozen = FrozenTarget.load(tmp_path)
+    tokens, hidden = torch.tensor([3, 17, 200]), torch.randn(3, 64)
+    with torch.no_grad():
+        assert torch.allclose(frozen.embed(tokens), model.model.embed_tokens(tokens[None])[0], atol=1e-6)
+        assert torch.allclose(frozen.final_norm(hidden), model.model.norm(hidden), atol=1e-5)
+    head = build_head(head_spec("eagle3", 1, frozen.cfg, "x", aux_layers=(1, 2, 3), draft_vocab=64))
+    layer = head.layers[0]
+    assert layer.post_attention_norm is None and not layer.feed_forward.gelu and layer.attention.q_norm is None
+    assert layer.attention_norm.offset == 0.0 and head.rope.inv_freq[1] == frozen.cfg.rope.theta ** (-2 / 16)
