@@ -157,12 +157,11 @@ NO_HELDOUT = "eval.prompt_sets: `heldout` needs data.heldout_rows > 0 at precomp
 def check_recipe(recipe: Recipe, cfg: ModelConfig) -> None:
     """The eval's refusals that the recipe and the configs of the checkpoints it names (the target's, ``cfg``, and a
     draft model's) decide alone, which ``mtp_train.pipeline.check_recipe`` makes before any stage runs: the target's
-    attention backend, a draft model's vocabulary, the target's own MTP layers when they draft, trees on a target they
-    are not wired for, the held-out prompts of a recipe that holds none out, and prompts with no room left."""
+    attention backend, a draft model's vocabulary, the target's own MTP layers when they draft, the held-out prompts
+    of a recipe that holds none out, and prompts with no room left."""
     from mtp_train.hf_checkpoint import find_checkpoint
     from mtp_train.runtime.attention import check_latent
     from mtp_train.runtime.drafters import check_draft_vocab
-    from mtp_train.runtime.tree_decoder import check_trees
     from mtp_train.train.checkpoint import target_mtp_layers
 
     e = recipe.eval
@@ -173,8 +172,6 @@ def check_recipe(recipe: Recipe, cfg: ModelConfig) -> None:
                           cfg.vocab_size)
     if (e.draft == "target_mtp" and e.draft_model is None) or "target_mtp" in e.compare:
         target_mtp_layers(recipe.target.path, cfg)
-    if e.trees:
-        check_trees(cfg)
     if "heldout" in e.prompt_sets and recipe.data.heldout_rows == 0:
         raise UserError(NO_HELDOUT)
     if prompt_room(cfg, e) < 1:

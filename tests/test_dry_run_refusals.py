@@ -74,8 +74,6 @@ REFUSALS = (
             ("eval.draft target_mtp needs a DeepSeek-V3-layout checkpoint", "model_type 'llama'")),
     Refusal("compared-target-mtp", ("eval", TINY, "eval.compare=[target_mtp]"),
             ("eval.draft target_mtp needs a DeepSeek-V3-layout checkpoint",)),
-    Refusal("trees-sliding-window", (TINY, "target.path={sliding}"),
-            ("eval.trees: tree drafting is not wired for sliding-window targets",)),
     Refusal("no-heldout-rows", (TINY, "data.heldout_rows=0", "train.tau_every=0"),
             ("eval.prompt_sets: `heldout` needs data.heldout_rows > 0",)),
     Refusal("no-room-for-prompts", ("eval", TINY, "eval.max_new_tokens=2048"),
@@ -107,14 +105,12 @@ REFUSALS = (
 
 @pytest.fixture
 def stand_ins(tmp_path) -> dict[str, str]:
-    """Checkpoints a dry run reads the config of (no weights): the tiny target as a Mistral with a sliding window,
-    with another vocabulary (a draft model that does not share its tokenizer), and with MLP channels that TP=2 does
-    not divide; the tiny DeepSeek target as a DeepSeek-V3 (whose MTP layers the engines serve)."""
+    """Checkpoints a dry run reads the config of (no weights): the tiny target with another vocabulary (a draft
+    model that does not share its tokenizer) and with MLP channels that TP=2 does not divide; the tiny DeepSeek
+    target as a DeepSeek-V3 (whose MTP layers the engines serve)."""
     made = {}
     deepseek = REPO / "recipes" / "tiny-deepseek" / "target"
-    for name, base, change in (("sliding", TINY_TARGET, {"model_type": "mistral", "sliding_window": 64,
-                                                          "architectures": ["MistralForCausalLM"]}),
-                               ("other_vocab", TINY_TARGET, {"vocab_size": 5000}),
+    for name, base, change in (("other_vocab", TINY_TARGET, {"vocab_size": 5000}),
                                ("odd_mlp", TINY_TARGET, {"intermediate_size": 383}),
                                ("deepseek_v3", deepseek, {"model_type": "deepseek_v3", "scoring_func": "sigmoid",
                                                           "topk_method": "noaux_tc",

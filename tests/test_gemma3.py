@@ -98,11 +98,12 @@ def test_greedy_generate_matches_transformers_over_64_tokens(released):
         assert result.tokens == ref and len(ref) == 64
 
 
+@pytest.mark.parametrize("family", ["gemma3_text", "mistral"])
 @pytest.mark.parametrize("tree", [None, (4, 4, 8)])
-def test_chains_and_trees_on_a_target_with_windowed_layers_are_lossless(tmp_path, tree):
+def test_chains_and_trees_on_a_target_with_windowed_layers_are_lossless(tmp_path, tree, family):
     """The target drafting for itself (every greedy draft right, so every verify runs deep), on prompts and outputs
-    longer than its window, 4 sequences in 24 pages of 4 (preemptions): a chain at k = 3 and a tree give plain
-    greedy decoding's tokens."""
+    longer than its window (Gemma 3's windowed layers; Mistral's window over every layer), 4 sequences in 24 pages
+    of 4 (preemptions): a chain at k = 3 and a tree give plain greedy decoding's tokens."""
     from mtp_train.models.checkpoint import load_transformer
     from mtp_train.runtime.drafters import DraftModelDrafter
     from mtp_train.runtime.sampling import SamplingParams
@@ -110,7 +111,7 @@ def test_chains_and_trees_on_a_target_with_windowed_layers_are_lossless(tmp_path
     from mtp_train.runtime.tree import TreeShape
     from mtp_train.runtime.tree_decoder import TreeDecoder
 
-    save_random_model("gemma3_text", tmp_path)
+    save_random_model(family, tmp_path)
     prompts = random_sequences(256, [5, 17, 30, 9], seed=5)
     params = SamplingParams(max_new_tokens=24, stop_token_ids=())
     plain = [r.tokens for r in Engine.from_pretrained(tmp_path, page_size=4).generate(prompts, params)]

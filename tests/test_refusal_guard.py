@@ -41,8 +41,6 @@ RECIPE_SITES = {
         "flashinfer-mla",
     "mtp_train/runtime/drafters.py::check_draft_vocab: draft model vocab {} differs from the target's {":
         "draft-model-vocab",
-    "mtp_train/runtime/tree_decoder.py::check_trees: eval.trees: tree drafting is not wired for slidi":
-        "trees-sliding-window",
     "mtp_train/export.py::check_format: --format {}: {} is a dflash head; it exports for": "export-dflash-sglang",
     "mtp_train/export.py::check_format: --format speculators: {} is an {} head; the spec":
         "export-speculators-mtp",

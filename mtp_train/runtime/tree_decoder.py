@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import torch
 
-from mtp_train.errors import UserError
-from mtp_train.models.config import ModelConfig
 from mtp_train.runtime.clock import RegionClock
 from mtp_train.runtime.device import to_device
 from mtp_train.runtime.drafters import Drafter
@@ -32,18 +30,10 @@ from mtp_train.runtime.tree import (DraftTree, TreeShape, accept_tree, accept_tr
 from mtp_train.runtime.batch import TreeMask
 
 
-def check_trees(cfg: ModelConfig) -> None:
-    """Refuse draft trees on a target of ``cfg`` that they are not wired for: a refusal the recipe (``eval.trees``) and
-    the target's config decide alone, which ``mtp_train.pipeline.check_recipe`` makes before any stage runs."""
-    if cfg.sliding_window is not None:
-        raise UserError("eval.trees: tree drafting is not wired for sliding-window targets; use eval.k (chains)")
-
-
 class TreeDecoder(SpeculativeDecoder):
     """``SpeculativeDecoder`` whose steps draft and verify a tree of ``shape``; k is its depth."""
 
     def __init__(self, engine: Engine, drafter: Drafter, shape: TreeShape) -> None:
-        check_trees(engine.cfg)
         super().__init__(engine, drafter, shape.depth)
         self.shape = shape
 
