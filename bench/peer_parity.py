@@ -4,7 +4,7 @@
     make smollm2 vllm peers speculators    # once: the target, vLLM, SpecForge and speculators (own virtualenvs)
     .venv/bin/python bench/peer_parity.py [--rows 80] [--steps 30] [--scales 1 4] [--data sgd dolly] [--seeds 0 1 2]
                                           [--settings tuned defaults] [--peers specforge speculators] [--reuse]
-                                          [--untuned-seeds 0] [--speculators-scales 1]
+                                          [--untuned-seeds 0] [--speculators-scales 1] [--ours-base "K=V;..."]
 
 For each data set, scale (``--rows`` × scale conversations, ``--steps`` × scale steps) and training seed, a cell
 (scale by scale; the tuned row at every seed, the other rows at ``--untuned-seeds``, speculators at
@@ -24,7 +24,8 @@ For each data set, scale (``--rows`` × scale conversations, ``--steps`` × scal
    ``defaults``, each trainer at its own (SpecForge: lr 1e-4, TTT 7, warm-up ratio 0.015, a 32k draft vocabulary of
    its own; speculators: Muon at lr 1e-3, 3 TTT steps, the full vocabulary); ``matched``, the peers at our lr, TTT
    length and draft vocabulary; ``tuned``, each at its own defaults but the lr and TTT length bench/peer_sweep.py
-   found best for it (the sweep runs first, at this comparison's cell size and scoring).
+   found best for it (the sweep runs first, at this comparison's cell size and scoring), ours with ``--ours-base``'s
+   overrides too.
 4. **Scoring.** Every exported head is served by vLLM (bench/vllm_serve.py, in .venv-vllm) on the same prompts:
    the held-out set of the data (Dolly rows no scale trains on; SGD's dev split), Spec-Bench and MT-bench first
    turns (``--prompts`` each, category-stratified), greedy, ``--new-tokens`` tokens, at k = 3 (``--k``). Lossless:

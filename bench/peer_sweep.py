@@ -3,12 +3,13 @@ every trainer, trained on one cell (SGD as written, scale 1, seed 0) and chosen 
 k = 3 on a validation split, SGD training dialogues that no cell trains on.
 
     make smollm2 vllm peers speculators
-    .venv/bin/python bench/peer_sweep.py [--lr 3e-4 1e-3 3e-3 1e-2] [--ttt 2 7] [--reuse] [--kept]
+    .venv/bin/python bench/peer_sweep.py [--lr 3e-4 1e-3 3e-3 1e-2] [--ttt 2 7] [--ours-base "K=V;..."] [--reuse]
+                                         [--kept]
     .venv/bin/python bench/peer_parity.py --settings tuned defaults
 
-At each grid point: ours is recipes/smollm2.yaml with ``train.lr`` and ``train.unroll`` set; each peer is at its own
-defaults (SpecForge: its warm-up ratio and 32k draft vocabulary; speculators: Muon, the full vocabulary) with that
-lr and TTT length, at our number of optimizer steps and tokens per step, as in peer_parity. The validation prompts
+At each grid point: ours is recipes/smollm2.yaml with ``--ours-base``'s overrides, ``train.lr`` and ``train.unroll``
+set; each peer is at its own defaults (SpecForge: its warm-up ratio and 32k draft vocabulary; speculators: Muon,
+the full vocabulary) with that lr and TTT length, at our number of optimizer steps and tokens per step, as in peer_parity. The validation prompts
 are the first user turns of SGD training dialogues from row ``--rows`` × 4 on (peer_parity's largest cell trains on
 rows below that), ``--prompts`` of them. Writes ``RESULTS/tuned.json`` (each trainer's best point, the whole grid and
 its key's digest; RESULTS is bench/peer_results, committed) and prints the grid. Like peer_parity: from scratch unless
@@ -112,7 +113,6 @@ def best(grid: list[dict], trainer: str) -> dict:
     """The grid point with the highest MAL of ``trainer`` (the earlier point on a tie)."""
     point = max(grid, key=lambda g: g[trainer]["mal"])
     return {"lr": point["lr"], "ttt": point["ttt"], "mal": point[trainer]["mal"]}
-
 
 
 def main(argv: list[str] | None = None) -> int:
