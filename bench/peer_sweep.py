@@ -11,11 +11,11 @@ At each grid point: ours is recipes/smollm2.yaml with ``--ours-base``'s override
 set; each peer is at its own defaults (SpecForge: its warm-up ratio and 32k draft vocabulary; speculators: Muon,
 the full vocabulary) with that lr and TTT length, at our number of optimizer steps and tokens per step, as in
 peer_parity. The validation prompts are the first user turns of SGD training dialogues from row ``--rows`` × 4 on
-(peer_parity's largest cell trains on rows below that), ``--prompts`` of them. Writes ``RESULTS/tuned.json`` (each trainer's best point, the whole grid and
-its key's digest; RESULTS is bench/peer_results, committed) and prints the grid. Like peer_parity: from scratch unless
-``--reuse``, which keeps tuned.json when its key still matches, and each trainer's run at each point
-(``RESULTS/sweep``) when the key less the grid does: a session cut short loses only the run it was in. ``--kept``
-prints the grid as far as ``RESULTS/sweep`` holds it under the current key and trains nothing.
+(peer_parity's largest cell trains on rows below that), ``--prompts`` of them. Writes ``RESULTS/tuned.json`` (each
+trainer's best point, the whole grid and its key's digest; RESULTS is bench/peer_results, committed) and prints the
+grid. Like peer_parity: from scratch unless ``--reuse``, which keeps tuned.json when its key still matches, and each
+trainer's run at each point (``RESULTS/sweep``) when its key does: a session cut short loses only the run it was in.
+``--kept`` prints the grid as far as ``RESULTS/sweep`` holds it under the current key and trains nothing.
 bench/peer_parity.py with ``--settings tuned`` runs this first, at its own cell size and scoring.
 """
 
