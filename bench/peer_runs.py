@@ -86,6 +86,7 @@ def code_digest(paths: list[str] = CODE) -> str:
     return digest.hexdigest()
 
 
+@functools.cache
 def peer_code_digest() -> str:
     """One sha256 over ``PEER_CODE`` and the function that launches vLLM (bench/vllm_check.py's ``serve``, with its
     KV budget)."""

@@ -21,6 +21,7 @@ from torch import nn
 from mtp_train.hf_checkpoint import find_checkpoint
 from mtp_train.models.checkpoint import read_tensors, weight_locations
 from mtp_train.models.config import ModelConfig
+from mtp_train.models.parts import offset_rms_norm, scale_embeddings
 
 EMBED, NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
 
@@ -49,16 +50,14 @@ class FrozenTarget(nn.Module):
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """``[T]`` ids -> ``[T, H]``, as the target's first layer reads them (Gemma's times √hidden, the runtime's
         ``Transformer.embed``)."""
-        x = F.embedding(tokens, self.embed_weight)
-        if self.cfg.embed_scale != 1.0:
-            x = x * torch.tensor(self.cfg.embed_scale, dtype=torch.float32).to(x.dtype)
-        return x
+        return scale_embeddings(F.embedding(tokens, self.embed_weight), self.cfg.embed_scale)
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's final RMSNorm (Gemma's scaling by ``1 + weight``): pre-norm ``[T, H]`` -> post-norm
         ``[T, H]``."""
-        weight = self.norm_weight + self.cfg.norm_offset if self.cfg.norm_offset else self.norm_weight
-        return F.rms_norm(hidden, weight.shape, weight, self.cfg.rms_norm_eps)
+        if self.cfg.norm_offset:
+            return offset_rms_norm(hidden, self.norm_weight, self.cfg.rms_norm_eps, self.cfg.norm_offset)
+        return F.rms_norm(hidden, self.norm_weight.shape, self.norm_weight, self.cfg.rms_norm_eps)
 
     def half_lm_head(self, dtype: torch.dtype) -> torch.Tensor:
         """The lm_head in ``dtype`` (bf16 or fp16) ``[vocab, H]``: made from the fp32 weight on first use, then kept."""

@@ -35,6 +35,18 @@ class AttentionPlan(Protocol):
         ...
 
 
+def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+    """Gemma's RMSNorm of ``x [..., D]``: statistics and the scale by ``offset + weight`` in fp32, as HF computes
+    them, then cast back to ``x``'s dtype."""
+    normed = F.rms_norm(x.float(), weight.shape, None, eps)
+    return (normed * (offset + weight.float())).to(x.dtype)
+
+
+def scale_embeddings(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """Embeddings ``x [T, H]`` times ``scale`` (Gemma's √hidden), rounded to ``x``'s dtype first, as HF does."""
+    return x if scale == 1.0 else x * torch.tensor(scale, dtype=torch.float32).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm scaling by ``weight``, or by ``offset + weight`` (Gemma's ``1 + weight``, computed in fp32 as HF
     does)."""
@@ -46,8 +58,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.offset:
-            normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
-            return (normed * (self.offset + self.weight.float())).to(x.dtype)
+            return offset_rms_norm(x, self.weight, self.eps, self.offset)
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op
         # Low precision: statistics in fp32, then scale in the input dtype, as HF does.

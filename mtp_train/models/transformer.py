@@ -19,7 +19,8 @@ from torch import nn
 from mtp_train.models.config import ModelConfig
 from mtp_train.models.mla import LatentAttention
 from mtp_train.models.moe import MoE
-from mtp_train.models.parts import AttentionPlan, CosSin, FeedForward, KVPages, Linear, RMSNorm, decode_copies
+from mtp_train.models.parts import (AttentionPlan, CosSin, FeedForward, KVPages, Linear, RMSNorm, decode_copies,
+                                    scale_embeddings)
 from mtp_train.models.rope import RotaryEmbedding
 from mtp_train.models.tp import TensorParallel
 
@@ -153,10 +154,7 @@ class Transformer(nn.Module):
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """``tokens [T]`` -> the decoder's input ``[T, hidden]``: the embeddings, times ``cfg.embed_scale`` (Gemma's
         √hidden, rounded to the embeddings' dtype first, as HF does)."""
-        x = self.tok_embeddings(tokens)
-        if self.cfg.embed_scale != 1.0:
-            x = x * torch.tensor(self.cfg.embed_scale, dtype=torch.float32).to(x.dtype)
-        return x
+        return scale_embeddings(self.tok_embeddings(tokens), self.cfg.embed_scale)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]`` pre-norm states -> ``[T, vocab]`` float32 logits."""
