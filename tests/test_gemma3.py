@@ -56,6 +56,37 @@ def test_the_windows_are_in_force(tmp_path):
     assert (ours[window - 4:] - full[window - 4:]).abs().amax(-1).min() > 1e-3
 
 
+def test_the_windowed_layers_keep_only_their_window_of_pages(tmp_path):
+    """Gemma 3's windowed layers (window 12) cache on a pool of their own, sized for 2 sequences' windows and one step
+    of 64 tokens, the global layers taking the rest of the bytes; a 40-token prompt decoding 30 more holds, after its
+    prefill, no windowed pages below its window while the global layers keep every page, and gives transformers'
+    greedy tokens (each from a whole forward of its prefix)."""
+    from mtp_train.runtime.sampling import SamplingParams
+
+    hf = save_random_model("gemma3_text", tmp_path).eval()
+    (prompt,) = random_sequences(256, [40], seed=3)
+    params = SamplingParams(max_new_tokens=30, stop_token_ids=())
+    engine = Engine.from_pretrained(tmp_path, page_size=4, num_pages=64, max_seqs=2, max_batch_tokens=64)
+    alloc = engine.allocator
+    assert alloc.windowed.num_pages == 2 * (3 + 1) + 16 + 2 and alloc.num_pages == 64 + (64 - 26) * 2
+    assert engine.kv.window_k.shape[:2] == (2, 27) and engine.kv.k.shape[:2] == (1, 140)  # (a stand-in page too)
+    scheduler, (seq,) = engine.start([prompt], params)
+    held = []
+    while not scheduler.done:
+        engine.step(scheduler)
+        if not scheduler.done:
+            real = [p for p in seq.pages.window.pages if p != alloc.windowed.stand_in]
+            held.append((len(real), len(seq.pages.pages), alloc.windowed.num_pages - alloc.windowed.num_free))
+    assert held[0][0] == 10 and max(w for w, _, _ in held[1:]) <= 12 // 4 + 2  # after the prefill: the window's
+    assert held[-1][1] == (40 + 28) // 4 and all(w == used for w, _, used in held)
+    (ours,) = engine.generate([prompt], params)
+    ref = list(prompt)
+    with torch.no_grad():  # (each token from a whole forward: transformers' own windowed cache decodes otherwise here)
+        for _ in range(30):
+            ref.append(int(hf(torch.tensor([ref])).logits[0, -1].argmax()))
+    assert ours.tokens == ref[40:]
+
+
 @pytest.fixture(scope="module")
 def released():
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -13,7 +13,7 @@ from mtp_train.runtime.acceptance import accept_draft
 from mtp_train.runtime.batch import build_batch
 from mtp_train.runtime.device import resolve_dtype
 from mtp_train.runtime.engine import Engine
-from mtp_train.runtime.kv_cache import KVPool, OutOfPages, PageAllocator, PageTable
+from mtp_train.runtime.kv_cache import KVPool, OutOfPages, PageAllocator, PageTable, SplitAllocator
 from mtp_train.runtime.sampling import SamplingParams, target_distribution
 
 CFG = ModelConfig("llama", 32, 16, 32, 2, 2, 1, 8, 1e-6, 128)
@@ -44,6 +44,30 @@ def test_reserve_is_all_or_nothing_and_truncate_frees_rejected_tokens():
     assert a.num_tokens == 7 and len(a.pages) == 2 and alloc.num_free == 1
     alloc.free(a)
     assert alloc.num_free == 3
+
+
+def test_a_split_allocator_keeps_the_windowed_pages_of_the_window_alone():
+    """Window 6, pages of 4: a 20-token prefill takes 5 pages in each pool; at the next reservation (its positions
+    from 20 on see keys above 14), the windowed pages wholly below 15 go back (0-3, 4-7, 8-11), the global ones stay;
+    truncating and freeing return every page; a reservation that the windowed pool alone cannot take touches neither."""
+    alloc = SplitAllocator(num_pages=12, page_size=4, window_pages=6, window=6)
+    table = PageTable()
+    alloc.reserve(table, 20)
+    assert (alloc.num_free, alloc.windowed.num_free) == (7, 1)
+    alloc.reserve(table, 4)
+    assert len(table.pages) == len(table.window.pages) == 6 and table.window.num_tokens == 24
+    stand_in = alloc.windowed.stand_in
+    assert table.window.pages[:3] == [stand_in] * 3 and stand_in not in table.window.pages[3:]
+    assert (alloc.num_free, alloc.windowed.num_free) == (6, 3)
+    other = PageTable()
+    assert not alloc.can_reserve([(other, 16)]) and alloc.can_reserve([(other, 12)])
+    with pytest.raises(OutOfPages, match="windowed"):
+        alloc.reserve(other, 16)  # 4 global pages of 6 free, but 4 windowed of 3
+    assert other.pages == [] and other.num_tokens == 0 and (alloc.num_free, alloc.windowed.num_free) == (6, 3)
+    alloc.truncate(table, 17)  # (rejected drafts): the last page of each pool goes back
+    assert len(table.window.pages) == 5 and (alloc.num_free, alloc.windowed.num_free) == (7, 4)
+    alloc.free(table)
+    assert (alloc.num_free, alloc.windowed.num_free) == (12, 6) and alloc.holds(24) and not alloc.holds(25)
 
 
 def test_batch_metadata_is_flat_and_indptr_style():

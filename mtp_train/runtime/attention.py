@@ -118,6 +118,7 @@ class TorchStep:
     def __init__(self, meta: BatchMetadata, sliding_window: int | None, causal: bool = True) -> None:
         bounds, kv_lens = meta.host_qo_indptr.tolist(), meta.host_kv_lens.tolist()  # (the host's copies)
         self.meta, self.sliding_window, self.causal = meta, sliding_window, causal
+        self.window_meta: BatchMetadata | None = None  # the windowed layers' own pages, where a pool is split (Gemma 3)
         self.slot_mapping = meta.slot_mapping
         self.num_tokens = bounds[-1]
         self.fresh: list[tuple[int, int]] = []  # token ranges of fresh prefills
@@ -163,7 +164,7 @@ class TorchStep:
         """Under a sliding ``window``: the step's query chunks, their keys' slots and masks (built once per window,
         for every layer)."""
         if window not in self._window_chunks:
-            self._window_chunks[window] = window_plan(self.meta, window, self.causal)
+            self._window_chunks[window] = window_plan(self.window_meta or self.meta, window, self.causal)
         return self._window_chunks[window]
 
     @property
@@ -189,8 +190,9 @@ class TorchStep:
         window: int | None = None,
     ) -> torch.Tensor:
         """``q [T, Hq, D]``, ``k``/``v [T, Hkv, D]`` -> ``[T, Hq, D]``, after writing ``k``/``v`` to the cache;
-        ``window``: this layer's own sliding window (Gemma 3's windowed layers), else the plan's."""
-        self.write(k, v, k_cache, v_cache)
+        ``window``: this layer's own sliding window (Gemma 3's windowed layers, their cache on ``window_meta``'s pages
+        where it is set), else the plan's."""
+        self.write(k, v, k_cache, v_cache, window is not None)
         if (window := window or self.sliding_window) is not None:
             flat_k, flat_v = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
             return windowed_attention(q, self.window_chunks(window),
@@ -202,10 +204,13 @@ class TorchStep:
         return self._attend(q, k, v, lambda pages: (k_cache.index_select(0, pages), v_cache.index_select(0, pages)),
                             paged=paged)
 
-    def write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-        """Store ``k``/``v [T, Hkv, D]`` at the step's token slots, attending nothing (a DFlash context)."""
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, self.slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, self.slot_mapping, v.to(v_cache.dtype))
+    def write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              windowed: bool = False) -> None:
+        """Store ``k``/``v [T, Hkv, D]`` at the step's token slots (``windowed``: a windowed layer's, on
+        ``window_meta``'s pages where it is set), attending nothing (a DFlash context)."""
+        slots = self.window_meta.slot_mapping if windowed and self.window_meta is not None else self.slot_mapping
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
 
     def attend_latent(
         self, q: torch.Tensor, latent: torch.Tensor, cache: torch.Tensor, v_dim: int, scale: float

@@ -30,7 +30,7 @@ from mtp_train.models.config import ModelConfig
 from mtp_train.runtime.attention import backend_name, select_backend
 from mtp_train.runtime.batch import BatchMetadata, TreeMask, build_batch
 from mtp_train.runtime.host_memory import keep_freed_memory
-from mtp_train.runtime.kv_cache import KVPool, OutOfPages, PageAllocator
+from mtp_train.runtime.kv_cache import KVPool, OutOfPages, PageAllocator, SplitAllocator, window_pool_pages
 from mtp_train.runtime.reserve import reserved_bytes
 from mtp_train.runtime.sampling import SamplingParams, sample
 from mtp_train.runtime.scheduler import Scheduler
@@ -110,6 +110,21 @@ def default_stop_ids(root: Path) -> tuple[int, ...]:
     return ()
 
 
+def _allocator(cfg: ModelConfig, num_pages: int, page_size: int, max_seqs: int, max_batch_tokens: int
+               ) -> PageAllocator:
+    """The target's pages: one pool for every layer; or, where some layers have a window and some none (Gemma 3), a
+    ``SplitAllocator`` whose windowed pool takes what ``window_pool_pages`` says of the ``num_pages`` an unsplit
+    pool would have, its global pool the rest of their bytes."""
+    windows = [cfg.layer_window(i) for i in range(cfg.num_layers)]
+    windowed = sum(w is not None for w in windows)
+    if not cfg.layer_windows or windowed in (0, cfg.num_layers):
+        return PageAllocator(num_pages, page_size)
+    window = max(w for w in windows if w is not None)
+    window_pages = window_pool_pages(num_pages, page_size, window, max_seqs, max_batch_tokens)
+    global_pages = num_pages + (num_pages - window_pages) * windowed // (cfg.num_layers - windowed)
+    return SplitAllocator(global_pages, page_size, window_pages, window)
+
+
 class Engine:
     def __init__(
         self,
@@ -137,7 +152,7 @@ class Engine:
             # its own free memory, and only the leader holds the drafts.
             num_pages = self.tp.agree_min(KVPool.pages_for_budget(self.cfg, page_size, kv_bytes, dtype, self.tp.size),
                                           self.device)
-        self.allocator = PageAllocator(num_pages, page_size)
+        self.allocator = _allocator(self.cfg, num_pages, page_size, max_seqs, max_batch_tokens)
         self.kv = KVPool(self.cfg, self.allocator, dtype, self.device, self.tp.size)
         self.backend_name = backend  # as the recipe asked (auto, torch, flashinfer): drafters follow it
         self.backend = select_backend(backend, self.device, self.cfg.sliding_window, dtype,
@@ -179,9 +194,9 @@ class Engine:
 
     def reserve(self, scheduled: list[tuple[Sequence, list[int]]]) -> None:
         """Reserve pages for each sequence's new tokens; raises ``OutOfPages`` before touching any when short."""
-        need = sum(self.allocator.pages_needed(seq.pages, len(new)) for seq, new in scheduled)
-        if need > self.allocator.num_free:
-            raise OutOfPages(f"need {need} pages, {self.allocator.num_free} free")
+        if not self.allocator.can_reserve([(seq.pages, len(new)) for seq, new in scheduled]):
+            need = sum(self.allocator.pages_needed(seq.pages, len(new)) for seq, new in scheduled)
+            raise OutOfPages(f"need {need} pages, {self.allocator.num_free} free (or too few windowed pages)")
         for seq, new in scheduled:
             self.allocator.reserve(seq.pages, len(new))
 
@@ -194,17 +209,15 @@ class Engine:
 
         Returns the packed batch, the pre-norm hidden states ``[T, H]`` and the outputs of the ``capture`` layers.
         """
-        meta = build_batch(
-            [new for _, new in scheduled],
-            [seq.cached - len(new) for seq, new in scheduled],
-            [seq.pages.pages for seq, _ in scheduled],
-            self.allocator.page_size,
-            self.device,
-            positions,
-            tree,
-        )
+        new = [new for _, new in scheduled]
+        cached = [seq.cached - len(n) for seq, n in scheduled]
+        size = self.allocator.page_size
+        meta = build_batch(new, cached, [seq.pages.pages for seq, _ in scheduled], size, self.device, positions, tree)
         cfg = self.cfg
         plan = self.backend.plan(meta, cfg.num_heads // self.tp.size, cfg.num_kv_heads // self.tp.size, cfg.head_dim)
+        if isinstance(self.allocator, SplitAllocator):  # the windowed layers' slots (a torch plan: see KVPool)
+            plan.window_meta = build_batch(new, cached, [seq.pages.window.pages for seq, _ in scheduled], size,
+                                           self.device, meta.positions, tree)
         hidden, captured = self.model(meta.tokens, meta.positions, plan, self.kv.layers, capture)
         return meta, hidden, captured
 

@@ -29,11 +29,11 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         worst = len(seq.tokens) + seq.params.max_new_tokens
-        capacity = self.allocator.num_pages * self.allocator.page_size
-        if worst > capacity:
+        if not self.allocator.holds(worst):
             raise UserError(
                 f"request {seq.request_id}: {worst} tokens (prompt plus max_new_tokens) exceed the KV cache's "
-                f"{capacity} slots; raise the KV budget or lower max_new_tokens"
+                f"{self.allocator.num_pages * self.allocator.page_size} slots (or its windowed layers'); raise the KV "
+                "budget or lower max_new_tokens"
             )
         self.waiting.append(seq)
 
@@ -75,7 +75,7 @@ class Scheduler:
             new = seq.pending
             if batch and len(new) > budget:
                 break
-            if self.allocator.pages_needed(seq.pages, len(new)) > self.allocator.num_free:
+            if not self.allocator.can_reserve([(seq.pages, len(new))]):
                 break
             self.allocator.reserve(seq.pages, len(new))
             self.waiting.popleft()

@@ -84,8 +84,8 @@ class SpeculativeDecoder:
         scheduler, seqs = self.engine.start(prompts, params, draft_allocator=self.drafter.allocator)
         page = self.engine.allocator.page_size
         for seq in seqs:  # room for one sequence alone, with a step of drafts, guarantees progress
-            room = self.engine.allocator.num_pages * page
-            if len(seq.tokens) + seq.params.max_new_tokens + self._slots(self.k)[0] + page > room:
+            if not self.engine.allocator.holds(len(seq.tokens) + seq.params.max_new_tokens + self._slots(self.k)[0]
+                                               + page):
                 raise UserError(f"request {seq.request_id}: too long for the KV cache with a draft; raise the KV budget")
         clock = RegionClock(self.engine.device)
         while not scheduler.done:
@@ -157,8 +157,8 @@ class SpeculativeDecoder:
         for seq in list(scheduler.running):
             k = self._k_for(seq)
             target, draft = self._slots(k)
-            while seq.status is Status.RUNNING and (alloc.pages_needed(seq.pages, target) > alloc.num_free
-                                                    or draft_alloc.pages_needed(seq.draft_pages, draft) > draft_alloc.num_free):
+            while seq.status is Status.RUNNING and not (alloc.can_reserve([(seq.pages, target)])
+                                                        and draft_alloc.can_reserve([(seq.draft_pages, draft)])):
                 scheduler.preempt(scheduler.running[-1])
             if seq.status is Status.RUNNING:
                 alloc.reserve(seq.pages, target)

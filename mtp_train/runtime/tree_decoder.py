@@ -109,7 +109,9 @@ class TreeDecoder(SpeculativeDecoder):
                states: torch.Tensor, clock: RegionClock) -> None:
         """Emit each sequence's path, pack its K/V behind the root, free the rest, and re-sync the draft."""
         engine, d = self.engine, self.shape.depth
-        src, dst, feeds = [], [], []
+        src: list[list[int]] = [[], []]  # (slots in each of the target's caches: KVPool.slots)
+        dst: list[list[int]] = [[], []]
+        feeds = []
         for b, ((seq, k_b), row) in enumerate(zip(batch, rows)):
             a, token, drafted, own, path = row[0], row[1], row[2 : 2 + d], row[2 + d : 3 + 2 * d], row[3 + 2 * d :]
             if seq.params.greedy:
@@ -117,15 +119,14 @@ class TreeDecoder(SpeculativeDecoder):
             n = len(seq.tokens)
             if self._emit(scheduler, seq, drafted[:a], token, k_b):
                 continue
-            page, size = seq.pages.pages, engine.allocator.page_size
-            for j in range(1, a + 1):  # node path[j], at slot n - 1 + path[j], belongs at n - 1 + j
-                if path[j] != j:
-                    src.append(page[(n - 1 + path[j]) // size] * size + (n - 1 + path[j]) % size)
-                    dst.append(page[(n - 1 + j) // size] * size + (n - 1 + j) % size)
+            moved = [j for j in range(1, a + 1) if path[j] != j]  # node path[j], at n - 1 + path[j], goes to n - 1 + j
+            for pool, (frm, to) in enumerate(zip(engine.kv.slots(seq.pages, [n - 1 + path[j] for j in moved]),
+                                                 engine.kv.slots(seq.pages, [n - 1 + j for j in moved]))):
+                src[pool] += frm
+                dst[pool] += to
             engine.allocator.truncate(seq.pages, n + a)  # (freed pages keep their K/V until the move below)
             index = to_device(torch.tensor([bounds[b] + i for i in path[: a + 1]]), states.device)
             feeds.append(self.drafter.feed(seq, self.drafter.valid(seq) - a - 1, n - 1, states[index]))
-        if src:
-            device = engine.device
-            engine.kv.move(to_device(torch.tensor(src), device), to_device(torch.tensor(dst), device))
+        if src[0]:
+            engine.kv.move(src, dst)
         self._sync(scheduler, feeds, clock)
