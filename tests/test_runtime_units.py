@@ -261,23 +261,33 @@ def test_a_wide_steps_cached_sequences_attend_in_one_kernel_call_as_sdpa_does(or
     assert torch.allclose(fused, ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "gemma3_text"])
 def test_a_decoder_layer_in_one_call_equals_it_op_by_op(family, tmp_path):
     """On CPU a decode or verify step of up to 64 rows runs each decoder layer in one kernel call (``run_layer``):
-    the same output and cache as the layer's ops, bf16 weights packed in bf16 included; steps of more rows, trees
-    and sliding windows, and layers the kernel does not implement (q/k norms), run op by op."""
+    the same output and cache as the layer's ops, bf16 weights packed in bf16 included, q/k norms (Qwen3, Gemma 3),
+    Gemma's offset and sandwich norms, its GELU and its windowed layer, and Mistral's window over every layer (a
+    window of 5, which the 17-token steps pass); steps of more rows and trees, and layers the kernel does not
+    implement (latent attention), run op by op."""
     from hf_models import save_random_model
     from mtp_train.models.checkpoint import load_transformer
     from mtp_train.models.transformer import DecoderLayer
     from mtp_train.runtime.attention import TorchAttention
     from mtp_train.runtime.small_batch import layer_weights, tune
 
-    save_random_model(family, tmp_path, vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2)
+    sizes = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)
+    if family in ("mistral", "gemma3_text"):
+        sizes["sliding_window"] = 5
+    if family == "gemma3_text":
+        sizes["layer_types"] = ["sliding_attention", "full_attention"]
+    save_random_model(family, tmp_path, **sizes)
     model = load_transformer(tmp_path)
     with torch.no_grad():  # layer 0's weights bf16 values (packed in bf16), layer 1's float32
         for p in model.layers[0].parameters():
             p.copy_(p.bfloat16().float())
+        for p in model.parameters():  # norm weights away from their initial ones (Gemma's zeros, the others' ones)
+            if p.dim() == 1:
+                p.add_(0.3 * torch.randn_like(p))
     if family == "llama":
         model.layers[1].attention_norm = torch.nn.Identity()  # an EAGLE layer's
     tune(model)
@@ -286,11 +296,13 @@ def test_a_decoder_layer_in_one_call_equals_it_op_by_op(family, tmp_path):
     assert model.layers[0].decode_weights.wqkv.dtype == torch.bfloat16
     assert model.layers[1].decode_weights.wqkv.dtype == torch.float32
     assert (model.layers[0].decode_weights.qkv_bias is not None) == (family == "qwen2")
+    assert (model.layers[0].decode_weights.q_norm is not None) == (family in ("qwen3", "gemma3_text"))
+    assert [w.decode_weights.window for w in model.layers] == ([5, 0] if family == "gemma3_text" else [0, 0])
     cfg = model.cfg
     for meta, layer in itertools.product((_step([7, 0, 12, 3], [1, 3, 2, 2]), _step([7, 0, 12, 3], [1, 9, 4, 3])),
                                          model.layers):  # 8 rows; 17, two chunks and a part of the kernel's
-        plan = TorchAttention().plan(meta, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        cos_sin = model.rope.cos_sin(meta.positions, torch.float32)
+        plan = TorchAttention(cfg.sliding_window).plan(meta, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        cos_sin = (model.local_rope if layer.local else model.rope).cos_sin(meta.positions, torch.float32)
         x = torch.randn(meta.tokens.numel(), cfg.hidden_size)
         caches = [torch.randn(32, 4, cfg.num_kv_heads, cfg.head_dim) for _ in range(2)]
         one = [c.clone() for c in caches]
@@ -303,9 +315,8 @@ def test_a_decoder_layer_in_one_call_equals_it_op_by_op(family, tmp_path):
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(one, caches))
     wide = _step([7, 0], [1, 64], pages=64)
     assert TorchAttention().plan(wide, 4, 2, 16).run_layer(x, None, cos_sin, caches) is None, "65 rows: op by op"
-    assert TorchAttention(sliding_window=8).plan(meta, 4, 2, 16).run_layer(x, None, cos_sin, caches) is None
-    layer = DecoderLayer(ModelConfig("qwen3", 64, 96, 256, 2, 4, 2, 16, 1e-6, 128, qk_norm=True), model.tp)
-    assert layer_weights(layer) is None, "q/k norms: op by op"
+    mla = ModelConfig.from_hf(__import__("hf_models").hf_config("deepseek_v3").to_dict())
+    assert layer_weights(DecoderLayer(mla, model.tp)) is None, "latent attention: op by op"
 
 
 @pytest.mark.parametrize("kind", ["packed", "transposed"])

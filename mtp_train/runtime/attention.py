@@ -131,11 +131,9 @@ class TorchStep:
                 self._by_len.setdefault(q_len, []).append(b)
         self._groups: list[_Group] | None = None
         # the step's layers may run as one kernel call each (``run_layer``): a decode or verify of few rows on CPU
-        self._one_call = (self.num_tokens <= small_rows.MAX_ROWS and causal and sliding_window is None
-                          and meta.tree is None and meta.tokens.device.type == "cpu" and small_rows.kernel() is not None)
-        if self._one_call:
-            self._indexes = (meta.slot_mapping, meta.host_qo_indptr.long(), meta.host_kv_lens.long(),
-                             meta.host_page_indptr.long(), meta.page_indices.long())
+        self._one_call = (self.num_tokens <= small_rows.MAX_ROWS and causal and meta.tree is None
+                          and meta.tokens.device.type == "cpu" and small_rows.kernel() is not None)
+        self._indexes: dict[bool, tuple[torch.Tensor, ...]] = {}  # run_layer's, for global and windowed layers
         # the sequences with keys in the cache may be attended by one kernel call in place of padded groups (CPU)
         self._pageable = bool(self._by_len and causal and sliding_window is None and meta.tree is None
                               and meta.tokens.device.type == "cpu" and small_rows.kernel() is not None)
@@ -183,7 +181,13 @@ class TorchStep:
         layer then runs op by op)."""
         if not self._one_call or x.requires_grad or x.dtype != torch.float32 or kv[0].dtype != torch.float32:
             return None
-        return small_rows.decode_layer(x.contiguous(), weights, *cos_sin, *kv, *self._indexes)
+        windowed = bool(weights.window) and self.window_meta is not None  # (its own pages: KVPool)
+        if windowed not in self._indexes:
+            meta = self.window_meta if windowed else self.meta
+            self._indexes[windowed] = (meta.slot_mapping, meta.host_qo_indptr.long(), meta.host_kv_lens.long(),
+                                       meta.host_page_indptr.long(), meta.page_indices.long())
+        return small_rows.decode_layer(x.contiguous(), weights, *cos_sin, *kv, *self._indexes[windowed],
+                                       window=self.sliding_window or 0)
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -14,6 +14,6 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n);
 at::Tensor attend(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
                   at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& q_start, const at::Tensor& kv_lens,
                   const at::Tensor& page_start, const at::Tensor& pages, int64_t n_heads, int64_t n_kv_heads,
-                  double scale);
+                  double scale, int64_t window);
 
 }  // namespace mtp_kernels

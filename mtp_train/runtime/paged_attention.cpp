@@ -78,7 +78,7 @@ inline float dot(const float* a, const float* b, int64_t d) {
 // so that each page of its sequence is read once, front to back; else one (a decode at batch 1 spreads its heads).
 void attend_rows_generic(const float* qp, float* op, int64_t t_total, int64_t n_heads, int64_t n_kv_heads, int64_t d,
                          int64_t page_size, const float* kc, const float* vc, const int64_t* qs, const int64_t* kvl,
-                         const int64_t* ps, const int64_t* pg, const int64_t* seq_of, double scale) {
+                         const int64_t* ps, const int64_t* pg, const int64_t* seq_of, double scale, int64_t window) {
   const int64_t group = n_heads / n_kv_heads;
   const int64_t per = t_total >= 8 * at::get_num_threads() ? n_heads : 1, items = n_heads / per;
   const float sc = static_cast<float>(scale);
@@ -86,11 +86,12 @@ void attend_rows_generic(const float* qp, float* op, int64_t t_total, int64_t n_
     std::vector<float> score;
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t t = w / items, h0 = (w % items) * per, b = seq_of[t];
-      const int64_t q_len = qs[b + 1] - qs[b], keys = kvl[b] - q_len + (t - qs[b]) + 1;
+      const int64_t q_len = qs[b + 1] - qs[b], last = kvl[b] - q_len + (t - qs[b]);
+      const int64_t first = window > 0 ? std::max<int64_t>(0, last - window + 1) : 0, keys = last - first + 1;
       const float* q0 = qp + (t * n_heads + h0) * d;
       score.resize(per * keys);
       for (int64_t j = 0; j < keys; ++j) {
-        const int64_t flat = pg[ps[b] + j / page_size] * page_size + j % page_size;
+        const int64_t flat = pg[ps[b] + (first + j) / page_size] * page_size + (first + j) % page_size;
         const float* k = kc + flat * n_kv_heads * d;
         for (int64_t g = 0; g < per; ++g) score[g * keys + j] = dot(q0 + g * d, k + (h0 + g) / group * d, d) * sc;
       }
@@ -104,7 +105,7 @@ void attend_rows_generic(const float* qp, float* op, int64_t t_total, int64_t n_
       float* o0 = op + t * n_heads * d + h0 * d;
       std::fill_n(o0, per * d, 0.f);
       for (int64_t j = 0; j < keys; ++j) {
-        const int64_t flat = pg[ps[b] + j / page_size] * page_size + j % page_size;
+        const int64_t flat = pg[ps[b] + (first + j) / page_size] * page_size + (first + j) % page_size;
         const float* v_row = vc + flat * n_kv_heads * d;
         for (int64_t g = 0; g < per; ++g) {
           const float p = score[g * keys + j];
@@ -214,7 +215,7 @@ constexpr GroupFn GROUPS[] = {attend_group<1>, attend_group<2>, attend_group<3>,
 // a row and one head.
 void attend_rows_avx512(const float* qp, float* op, int64_t t_total, int64_t n_heads, int64_t n_kv_heads, int64_t d,
                         int64_t page_size, const float* kc, const float* vc, const int64_t* qs, const int64_t* kvl,
-                        const int64_t* ps, const int64_t* pg, const int64_t* seq_of, double scale) {
+                        const int64_t* ps, const int64_t* pg, const int64_t* seq_of, double scale, int64_t window) {
   const int64_t group = n_heads / n_kv_heads;
   const int64_t per = t_total >= 8 * at::get_num_threads() ? std::min<int64_t>(group, 8) : 1;
   const int64_t chunks = (group + per - 1) / per, items = n_kv_heads * chunks;
@@ -225,10 +226,11 @@ void attend_rows_avx512(const float* qp, float* op, int64_t t_total, int64_t n_h
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t t = w / items, kvh = w % items / chunks, h0 = kvh * group + w % chunks * per, b = seq_of[t];
       const int64_t gn = std::min(per, (kvh + 1) * group - h0);
-      const int64_t q_len = qs[b + 1] - qs[b], keys = kvl[b] - q_len + (t - qs[b]) + 1;
+      const int64_t q_len = qs[b + 1] - qs[b], last = kvl[b] - q_len + (t - qs[b]);
+      const int64_t first = window > 0 ? std::max<int64_t>(0, last - window + 1) : 0, keys = last - first + 1;
       off.resize((keys + 15) / 16 * 16);
-      for (int64_t j = 0; j < keys; ++j)
-        off[j] = static_cast<int32_t>((pg[ps[b] + j / page_size] * page_size + j % page_size) * n_kv_heads * d +
+      for (int64_t j = 0, p = first; j < keys; ++j, ++p)
+        off[j] = static_cast<int32_t>((pg[ps[b] + p / page_size] * page_size + p % page_size) * n_kv_heads * d +
                                       kvh * d);
       score.resize(gn * off.size());
       GROUPS[gn - 1](qp + (t * n_heads + h0) * d, kc, vc, off.data(), keys, d, sc, score.data(),
@@ -238,13 +240,14 @@ void attend_rows_avx512(const float* qp, float* op, int64_t t_total, int64_t n_h
 }
 #endif
 
-// Each query row t (of sequence seq_of[t]) and head h: softmax over the keys its causal mask lets it see, read in
-// place from the pages, times the values -> [T, Hq * D]. q [T, Hq, D] is rotated; the cache [pages, page_size, Hkv,
-// D] of cache_floats floats holds this step's keys.
+// Each query row t (of sequence seq_of[t]) and head h: softmax over the keys its causal mask lets it see (with a
+// `window` > 0, the last `window` of them: its sliding window), read in place from the pages, times the values
+// -> [T, Hq * D]. q [T, Hq, D] is rotated; the cache [pages, page_size, Hkv, D] of cache_floats floats holds this
+// step's keys; pages below a window may have been given back: no key is read there.
 at::Tensor attend_rows(const float* qp, const at::Tensor& like, int64_t t_total, int64_t n_heads, int64_t n_kv_heads,
                        int64_t d, int64_t page_size, const float* kc, const float* vc, const int64_t* qs,
                        const int64_t* kvl, const int64_t* ps, const int64_t* pg, int64_t batch, int64_t cache_floats,
-                       double scale) {
+                       double scale, int64_t window) {
   std::vector<int64_t> seq_of(t_total);
   for (int64_t b = 0; b < batch; ++b) std::fill(seq_of.begin() + qs[b], seq_of.begin() + qs[b + 1], b);
   auto out = at::empty({t_total, n_heads * d}, like.options());
@@ -252,12 +255,12 @@ at::Tensor attend_rows(const float* qp, const at::Tensor& like, int64_t t_total,
 #if defined(__AVX512F__)
   if (d % 16 == 0 && cache_floats < (int64_t{1} << 31)) {
     attend_rows_avx512(qp, op, t_total, n_heads, n_kv_heads, d, page_size, kc, vc, qs, kvl, ps, pg, seq_of.data(),
-                       scale);
+                       scale, window);
     return out;
   }
 #endif
   attend_rows_generic(qp, op, t_total, n_heads, n_kv_heads, d, page_size, kc, vc, qs, kvl, ps, pg, seq_of.data(),
-                      scale);
+                      scale, window);
   return out;
 }
 
@@ -269,11 +272,12 @@ namespace mtp_kernels {
 // cos, sin [T, D]; k_cache, v_cache [pages, page_size, Hkv, D] (written at ``slots [T]``); ``q_start [B + 1]``,
 // ``kv_lens [B]``, ``page_start [B + 1]``, ``pages [N]`` int64: sequence b's new tokens are rows
 // q_start[b]..q_start[b + 1] of qkv, it holds kv_lens[b] tokens after this step, in pages
-// pages[page_start[b]..page_start[b + 1]]. Query i of b sees keys 0..kv_lens[b] - q_len + i. -> [T, Hq D].
+// pages[page_start[b]..page_start[b + 1]]. Query i of b sees keys 0..kv_lens[b] - q_len + i (with a `window` > 0,
+// the last `window` of them). -> [T, Hq D].
 at::Tensor attend(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
                   at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& q_start, const at::Tensor& kv_lens,
                   const at::Tensor& page_start, const at::Tensor& pages, int64_t n_heads, int64_t n_kv_heads,
-                  double scale) {
+                  double scale, int64_t window) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.scalar_type() == at::kFloat, "attend: qkv [T, C] float32");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
                   k_cache.scalar_type() == at::kFloat && v_cache.sizes() == k_cache.sizes(),
@@ -313,7 +317,7 @@ at::Tensor attend(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor
     }
   }
   return attend_rows(qp, qkv, t_total, n_heads, n_kv_heads, d, page_size, kc, vc, qs, kvl, ps, pg, batch,
-                     k_cache.numel(), scale);
+                     k_cache.numel(), scale, window);
 }
 
 // The same attention for queries already rotated, whose keys and values are already in the cache (torch wrote them):
@@ -321,7 +325,7 @@ at::Tensor attend(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor
 // its projections on BLAS. -> [T, Hq D].
 at::Tensor attend_paged(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& q_start, const at::Tensor& kv_lens, const at::Tensor& page_start,
-                        const at::Tensor& pages, double scale) {
+                        const at::Tensor& pages, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kFloat, "attend_paged: q [T, Hq, D] float32");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
                   k_cache.scalar_type() == at::kFloat && v_cache.sizes() == k_cache.sizes() &&
@@ -337,7 +341,7 @@ at::Tensor attend_paged(const at::Tensor& q, const at::Tensor& k_cache, const at
   return attend_rows(q.data_ptr<float>(), q, t_total, q.size(1), k_cache.size(2), q.size(2), k_cache.size(1),
                      k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), qs, kv_lens.data_ptr<int64_t>(),
                      page_start.data_ptr<int64_t>(), pages.data_ptr<int64_t>(), batch, k_cache.numel(),
-                     scale);
+                     scale, window);
 }
 
 }  // namespace mtp_kernels
@@ -345,7 +349,7 @@ at::Tensor attend_paged(const at::Tensor& q, const at::Tensor& k_cache, const at
 TORCH_LIBRARY(mtp_paged_attention, lib) {
   lib.def("attend(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
           "Tensor q_start, Tensor kv_lens, Tensor page_start, Tensor pages, int n_heads, int n_kv_heads, "
-          "float scale) -> Tensor", mtp_kernels::attend);
+          "float scale, int window=0) -> Tensor", mtp_kernels::attend);
   lib.def("attend_paged(Tensor q, Tensor k_cache, Tensor v_cache, Tensor q_start, Tensor kv_lens, Tensor page_start, "
-          "Tensor pages, float scale) -> Tensor", mtp_kernels::attend_paged);
+          "Tensor pages, float scale, int window=0) -> Tensor", mtp_kernels::attend_paged);
 }

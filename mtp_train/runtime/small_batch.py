@@ -109,30 +109,37 @@ def tune(model: nn.Module, kind: str | None = None, bf16: bool = True) -> dict[t
 
 def layer_weights(layer: DecoderLayer, bf16: bool = True) -> small_rows.LayerWeights | None:
     """``layer``'s weights as ``decode_layer.cpp`` runs the whole layer in one call (its projections packed), or None
-    for a layer that kernel does not implement: latent attention or experts (DeepSeek), q/k norms (Qwen3), biases
-    past the q/k/v projection, tensor parallelism, or weights not float32 on the CPU. An EAGLE layer, which has no
-    attention norm (``nn.Identity``), runs without it."""
+    for a layer that kernel does not implement: latent attention or experts (DeepSeek), biases past the q/k/v
+    projection, tensor parallelism, or weights not float32 on the CPU. An EAGLE layer, which has no attention norm
+    (``nn.Identity``), runs without it; Gemma's offset norms run with the offset added to their weights."""
     attention, mlp = layer.attention, layer.feed_forward
     if not (isinstance(attention, Attention) and isinstance(mlp, FeedForward)):
         return None
     first = None if isinstance(layer.attention_norm, nn.Identity) else layer.attention_norm  # EAGLE's: none
-    norms = (layer.ffn_norm,) if first is None else (first, layer.ffn_norm)
+    norms = [n for n in (first, layer.ffn_norm, layer.post_attention_norm, layer.post_ffn_norm) if n is not None]
+    head_norms = [n for n in (attention.q_norm, attention.k_norm) if n is not None]
     linears = (attention.wqkv, attention.wo, mlp.w_gate_up, mlp.w_down)
     hidden = attention.wo.out_features
-    if (attention.q_norm is not None or attention.wo_bias is not None or mlp.w_down_bias is not None
+    if (attention.wo_bias is not None or mlp.w_down_bias is not None
             or mlp.w_gate_up.bias is not None or attention.tp.size > 1 or mlp.tp.size > 1
             or not all(isinstance(n, RMSNorm) and n.weight.numel() == hidden for n in norms)
-            or norms[0].eps != norms[-1].eps or attention.wqkv.in_features != hidden
+            or not all(isinstance(n, RMSNorm) and n.weight.numel() == attention.head_dim for n in head_norms)
+            or len({n.eps for n in norms + head_norms}) != 1 or attention.wqkv.in_features != hidden
             or any(t.device.type != "cpu" or t.dtype != torch.float32
-                   for t in (*(m.weight for m in linears), *(n.weight for n in norms)))):
+                   for t in (*(m.weight for m in linears), *(n.weight for n in norms + head_norms)))):
         return None
 
     def packed(linear: Linear) -> torch.Tensor:  # the copy ``tune`` keeps for its products where it keeps one
         kept = next((p for p in linear.small_rows.values() if isinstance(p, PackedWeight)), None)
         return (kept or PackedWeight(linear.weight, bf16)).packed
 
+    def weight(norm: RMSNorm | None) -> torch.Tensor | None:  # (1 + w) for Gemma's, in float32 as its forward
+        return None if norm is None else (norm.weight.detach() + norm.offset if norm.offset else norm.weight.detach())
+
     return small_rows.LayerWeights(
-        None if first is None else first.weight.detach(), packed(attention.wqkv),
+        weight(first), packed(attention.wqkv),
         None if attention.wqkv.bias is None else attention.wqkv.bias.detach(), packed(attention.wo),
-        layer.ffn_norm.weight.detach(), packed(mlp.w_gate_up), packed(mlp.w_down), layer.ffn_norm.eps,
-        attention.n_heads, attention.n_kv_heads, attention.head_dim**-0.5)
+        weight(layer.ffn_norm), packed(mlp.w_gate_up), packed(mlp.w_down), layer.ffn_norm.eps,
+        attention.n_heads, attention.n_kv_heads, attention.head_dim**-0.5, weight(attention.q_norm),
+        weight(attention.k_norm), weight(layer.post_attention_norm), weight(layer.post_ffn_norm), mlp.gelu,
+        attention.window or 0)

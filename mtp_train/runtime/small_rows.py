@@ -198,27 +198,31 @@ def kernel() -> object | None:
 
 def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            slots: torch.Tensor, q_start: torch.Tensor, kv_lens: torch.Tensor, page_start: torch.Tensor,
-           pages: torch.Tensor, n_heads: int, n_kv_heads: int, scale: float) -> torch.Tensor:
+           pages: torch.Tensor, n_heads: int, n_kv_heads: int, scale: float, window: int = 0) -> torch.Tensor:
     """One layer's attention of a decode or verify step (``paged_attention.cpp`` gives the shapes): ``qkv [T, (Hq +
-    2 Hkv) D]`` float32 -> ``[T, Hq D]``, the rotated keys and the values stored at ``slots`` on the way."""
+    2 Hkv) D]`` float32 -> ``[T, Hq D]``, the rotated keys and the values stored at ``slots`` on the way; a
+    ``window`` > 0: each query sees its last ``window`` keys."""
     kernel()  # loads the library on first use
     return torch.ops.mtp_paged_attention.attend(qkv, cos, sin, k_cache, v_cache, slots, q_start, kv_lens, page_start,
-                                                pages, n_heads, n_kv_heads, scale)
+                                                pages, n_heads, n_kv_heads, scale, window)
 
 
 def attend_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_start: torch.Tensor,
-                 kv_lens: torch.Tensor, page_start: torch.Tensor, pages: torch.Tensor, scale: float) -> torch.Tensor:
+                 kv_lens: torch.Tensor, page_start: torch.Tensor, pages: torch.Tensor, scale: float, window: int = 0
+                 ) -> torch.Tensor:
     """``attend``'s softmax over the pages for queries ``q [T, Hq, D]`` float32 already rotated, whose keys and values
     are already in the cache -> ``[T, Hq D]``."""
     kernel()
     return torch.ops.mtp_paged_attention.attend_paged(q.contiguous(), k_cache, v_cache, q_start, kv_lens, page_start,
-                                                      pages, scale)
+                                                      pages, scale, window)
 
 
 @dataclass(frozen=True)
 class LayerWeights:
     """A decoder layer as ``decode_layer`` takes it: its norms' weights ``[H]`` (no attention norm for an EAGLE
-    layer), its projections packed (``pack``), the q/k/v bias (or None), and its attention's sizes."""
+    layer; Gemma's with their offset added), its projections packed (``pack``), the q/k/v bias (or None), its
+    attention's sizes; the q/k norms ``[D]``, the norms after attention and MLP (Gemma's), the GELU and the sliding
+    window (0: none) where the layer has them."""
 
     attention_norm: torch.Tensor | None
     wqkv: torch.Tensor
@@ -231,16 +235,24 @@ class LayerWeights:
     num_heads: int
     num_kv_heads: int
     scale: float
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    post_attention_norm: torch.Tensor | None = None
+    post_ffn_norm: torch.Tensor | None = None
+    gelu: bool = False
+    window: int = 0
 
 
 def decode_layer(x: torch.Tensor, w: LayerWeights, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slots: torch.Tensor, q_start: torch.Tensor, kv_lens: torch.Tensor,
-                 page_start: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+                 page_start: torch.Tensor, pages: torch.Tensor, window: int = 0) -> torch.Tensor:
     """A decoder layer over ``x [T, H]`` float32 (a few rows) in one call -> ``[T, H]``; the attention's
-    arguments as ``attend`` takes them."""
+    arguments as ``attend`` takes them (``window``: the step's sliding window, where the layer has none of its own:
+    a Mistral target's, a draft head's)."""
     return torch.ops.mtp_decode_layer.decode_layer(
         x, w.attention_norm, w.wqkv, w.qkv_bias, w.wo, w.ffn_norm, w.w_gate_up, w.w_down, w.eps, cos, sin, k_cache,
-        v_cache, slots, q_start, kv_lens, page_start, pages, w.num_heads, w.num_kv_heads, w.scale)
+        v_cache, slots, q_start, kv_lens, page_start, pages, w.num_heads, w.num_kv_heads, w.scale, w.q_norm, w.k_norm,
+        w.post_attention_norm, w.post_ffn_norm, w.gelu, w.window or window)
 
 
 def exactly_bf16(weight: torch.Tensor) -> bool:
