@@ -2,9 +2,9 @@
 # Issue #49's peer campaign (bench/peer_parity.py), resumed session after session, while development goes on beside
 # it on main.
 #
-#   bench/campaign.sh start [ARGS]  # this checkout detached at its commit and set up; main checked out in $DEV (its
-#                             # own .venv); peer_parity.py --reuse ARGS started, and a loop committing its results on
-#                             # main every 2 min
+#   bench/campaign.sh start [ARGS]  # this checkout detached at $AT (default: its commit) and set up; main checked
+#                             # out in $DEV (its own .venv); peer_parity.py --reuse ARGS started, and a loop committing
+#                             # its results on main every 2 min
 #   $DEV/bench/campaign.sh stop   # both stopped, what landed committed, $DEV removed, main checked out here again
 #
 # Why: the code under a running campaign must not change, since our runs' keys hash the code that trains, exports and
@@ -12,7 +12,8 @@
 # results go to $DEV/bench/peer_results on main. The next start, at a newer commit, retrains our runs (minutes each)
 # and keeps the peers' (hours), whose keys hold their inputs' content and their own code only. The keys also hold the
 # target's absolute path: run it from the checkout the kept runs were made in (/work/main). `start` needs this
-# checkout clean.
+# checkout clean. Our runs are kept only at the commit they were made at, so a campaign that spans sessions runs at
+# one commit throughout (AT=639d0aa: bench/RESULTS.md, issue #49), whatever main has become.
 set -euo pipefail
 if [[ -z "${CAMPAIGN_REPO:-}" ]]; then  # the checkout changes under a running script: run a copy
     here=$(cd "$(dirname "$0")/.." && pwd)
@@ -36,7 +37,7 @@ case "${1:-}" in
 start)
     cd "$REPO"
     [[ -z "$(git status --porcelain)" ]] || { echo "campaign.sh: $REPO has uncommitted changes; commit them first" >&2; exit 2; }
-    git checkout -q --detach HEAD
+    git checkout -q --detach "${AT:-HEAD}"
     git worktree add -q "$DEV" main
     make venv smollm2 vllm peers speculators
     for d in .cache .venv-vllm .venv-peers .venv-speculators; do ln -sfn "$REPO/$d" "$DEV/$d"; done
