@@ -44,7 +44,7 @@ from safetensors.torch import save_file
 from mtp_train.eval.model_card import card_markdown
 from mtp_train.eval.report import FILES, load_report
 from mtp_train.errors import UserError
-from mtp_train.heads.conventions import ENGINE_NAMES, LOADER_FAMILIES, choices, served_by
+from mtp_train.heads.conventions import ENGINE_NAMES, LOADER_FAMILIES, NO_DRAFT_HOOKS, choices, served_by
 from mtp_train.heads.deepseek_layout import SHARED_COPIES, to_deepseek
 from mtp_train.heads.eagle3 import default_aux_layers
 from mtp_train.heads.dflash_layout import MASK_FILE, dflash_config, to_dflash
@@ -128,6 +128,11 @@ def check_format(kind: str, family: str, fmt: str, root: Path, num_layers: int, 
         raise UserError(f"--format {fmt}: {root} is an {kind} head with head.window {window}, and {engine} runs no "
                         f"sliding window in its {kind} drafts (vLLM 0.32 and SGLang 0.5.23 window eagle3 and dflash "
                         "drafts only); train it with head.window: null to export it, or serve it with this runtime")
+    if family in NO_DRAFT_HOOKS and kind != "mtp":
+        why = (NO_DRAFT_HOOKS[family] if fmt != "sglang" else "SGLang 0.5.23 captures EAGLE-3 layers on it, but its "
+               "draft embeds tokens without the target's embedding scale, and no SGLang runs here to check an export")
+        raise UserError(f"{root}: a {kind} head on a {family} target is not exported for {engine}: {why}; serve it "
+                        "with this runtime (`mtp-train eval`)")
     if family not in LOADER_FAMILIES[kind]:
         if kind == "mtp":
             raise UserError(f"{root}: an mtp head on a {family} target cannot be exported for {engine}: no serving "

@@ -100,6 +100,8 @@ REFUSALS = (
             ("an mtp head of 2 layers cannot be exported in the DeepSeek-V3 layout", "head.num_layers=1")),
     Refusal("export-eagle-deepseek", ("export", TINY_DEEPSEEK, "--format", "sglang", "head.kind=eagle"),
             ("SGLang's EAGLE-1 loader builds a Llama decoder layer; a deepseek_v2 target's head",)),
+    Refusal("export-eagle3-gemma3", ("export", TINY, "--format", "vllm", "target.path={gemma3}", "head.kind=eagle3"),
+            ("eagle3 head on a gemma3_text target is not exported for vLLM", "Gemma3ForCausalLM implements neither")),
 )
 
 
@@ -107,17 +109,22 @@ REFUSALS = (
 def stand_ins(tmp_path) -> dict[str, str]:
     """Checkpoints a dry run reads the config of (no weights): the tiny target with another vocabulary (a draft
     model that does not share its tokenizer) and with MLP channels that TP=2 does not divide; the tiny DeepSeek
-    target as a DeepSeek-V3 (whose MTP layers the engines serve)."""
+    target as a DeepSeek-V3 (whose MTP layers the engines serve); a small Gemma 3 with the tiny target's vocabulary."""
+    from hf_models import hf_config
+
     made = {}
     deepseek = REPO / "recipes" / "tiny-deepseek" / "target"
+    gemma3 = {**hf_config("gemma3_text").to_dict(), "vocab_size": json.loads((TINY_TARGET / "config.json").read_text())[
+        "vocab_size"], "architectures": ["Gemma3ForCausalLM"]}
     for name, base, change in (("other_vocab", TINY_TARGET, {"vocab_size": 5000}),
                                ("odd_mlp", TINY_TARGET, {"intermediate_size": 383}),
                                ("deepseek_v3", deepseek, {"model_type": "deepseek_v3", "scoring_func": "sigmoid",
                                                           "topk_method": "noaux_tc",
-                                                          "architectures": ["DeepseekV3ForCausalLM"]})):
+                                                          "architectures": ["DeepseekV3ForCausalLM"]}),
+                               ("gemma3", None, gemma3)):
         root = tmp_path / name
         root.mkdir()
-        config = {**json.loads((base / "config.json").read_text()), **change}
+        config = {**(json.loads((base / "config.json").read_text()) if base else {}), **change}
         (tmp_path / f"{name}.json").write_text(json.dumps(config))
         made[name] = str(stand_in_checkpoint(root, tmp_path / f"{name}.json"))
     return made

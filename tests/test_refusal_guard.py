@@ -47,6 +47,7 @@ RECIPE_SITES = {
     "mtp_train/export.py::check_format: --format {}: {} is an {} head with head.window {": "export-window-eagle",
     "mtp_train/export.py::check_format: {}: an mtp head on a {} target cannot be exporte": "export-mtp-llama",
     "mtp_train/export.py::check_format: {}: {}'s EAGLE-1 loader builds a Llama decoder l": "export-eagle-deepseek",
+    "mtp_train/export.py::check_format: {}: a {} head on a {} target is not exported for": "export-eagle3-gemma3",
     "mtp_train/export.py::check_format: {}: a dflash head of {} layers cannot be exporte": "export-dflash-layers",
     "mtp_train/export.py::check_format: {}: an mtp head of {} layers cannot be exported": "export-mtp-layers",
     "mtp_train/export.py::check_format: --format sglang: {} is a P-EAGLE head (head.para": "export-peagle-sglang",

@@ -73,6 +73,10 @@ def choices(kind: str, convention: str) -> Choices:
 # vLLM's EagleLlamaForCausalLM builds); DeepSeek-V3 only for mtp: vLLM and SGLang turn only DeepSeek-V3-family
 # configs into their MTP model (EXPORT.md 1.1), which reads the DeepSeek layout.
 LOADER_FAMILIES = {"eagle": ("llama",), "eagle3": ("llama",), "mtp": ("deepseek_v3",), "dflash": ("llama", "qwen3")}
+# Target families whose model class in vLLM 0.32 captures no hidden states for a draft (it implements neither
+# SupportsEagle nor SupportsEagle3, which its EAGLE, EAGLE-3 and DFlash proposers need), whatever the head's layer.
+NO_DRAFT_HOOKS = {"gemma3_text": "vLLM 0.32's Gemma3ForCausalLM implements neither SupportsEagle nor SupportsEagle3, "
+                                 "so vLLM runs no EAGLE, EAGLE-3 or DFlash draft on a Gemma 3 target"}
 
 
 def served_by(kind: str, head: Choices, target_family: str) -> list[str]:
@@ -98,6 +102,8 @@ def validity_line(kind: str, head: Choices, target_family: str) -> str:
         return f"Valid in {' and '.join(engines)} (`mtp-train export --format ...`) and in this runtime."
     if target_family in LOADER_FAMILIES[kind]:
         return "Valid in this runtime only: its conventions differ from every engine's (train it with head.convention)."
+    if target_family in NO_DRAFT_HOOKS and kind != "mtp":
+        return f"Valid in this runtime only: {NO_DRAFT_HOOKS[target_family]}."
     if kind == "mtp":
         return (f"Valid in this runtime only: no serving engine loads an MTP layer for a {target_family} target "
                 "(vLLM and SGLang serve DeepSeek-layout MTP layers for DeepSeek-V3-family targets).")
