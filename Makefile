@@ -95,7 +95,7 @@ $(SPECULATORS_VENV)/.installed:
 
 speculators: $(SPECULATORS_VENV)/.installed
 
-test: $(STAMP) smollm2
+test: $(STAMP) smollm2 gemma3
 	$(BIN)/python -m pytest -q
 
 clean:
