@@ -14,7 +14,7 @@ def _mismatch(old: Manifest, fingerprint: dict[str, str], settings: dict) -> str
     for key, value in fingerprint.items():
         if old.fingerprint.get(key) != value:
             if key == "settings":
-                fields = sorted(k for k in settings if old.settings.get(k) != settings.get(k))
+                fields = sorted(k for k in {*settings, *old.settings} if old.settings.get(k) != settings.get(k))
                 return "recipe field(s) " + ", ".join(fields)
             return {"target": "target weights or config", "data": "dataset files"}.get(key, key)
     return None

@@ -389,3 +389,14 @@ def test_a_worker_reads_back_its_shards_before_it_is_complete(tmp_path):
     assert "rank 0's shards do not read back as written (1 of " in last and f"{shard}: sha256 mismatch" in last, last
     assert not json.loads((features / "manifest.rank-00000.json").read_text())["complete"]
     assert not (features / "manifest.json").exists()
+
+
+def test_a_setting_the_new_recipe_no_longer_has_is_named_too():
+    """Features an eagle3 recipe made (its aux layers among the settings) asked for by an mtp recipe: the refusal
+    names the setting that only the old features have, not an empty list."""
+    from types import SimpleNamespace
+
+    from precompute.directory import _mismatch
+
+    old = SimpleNamespace(fingerprint={"settings": "a"}, settings={"topk": 32, "eagle3_layers": [1, 8, 14]})
+    assert _mismatch(old, {"settings": "b"}, {"topk": 32}) == "recipe field(s) eagle3_layers"
