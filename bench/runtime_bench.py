@@ -5,15 +5,15 @@
 Rows (each at every ``--threads`` count):
 
 - ``score()``: packed teacher-forced scoring vs a padded transformers forward over the same sequences (tiny target,
-  a random Llama h512 x 8 layers, and SmolLM2-135M-Instruct when ``make smollm2`` has fetched it);
-- greedy decode at batch 1 and 8 vs ``transformers.generate`` (tiny target on random prompts; SmolLM2 on 12
-  MT-bench prompts through its chat template), outputs compared token for token;
+  a random Llama h512 x 8 layers; the released targets ``make smollm2 gemma3`` fetched: SmolLM2-135M, Gemma 3 270M);
+- greedy decode at batch 1 and 8 vs ``transformers.generate`` (tiny target on random prompts; the released targets on
+  12 MT-bench prompts through their chat templates), outputs compared token for token;
 - SmolLM2 draft-target decoding at batch 1, k = 2, with SmolLM2 as its own draft (so every draft is accepted and
   the row measures the machinery) vs transformers' assisted generation with the same assistant;
-- vLLM's CPU build, plain greedy decode of the same SmolLM2 prompts at batch 1 and 8, in its own process, at the
-  thread count equal to the cores (it binds its threads to all of them);
-- SmolLM2's decode step against this machine's memory bandwidth: the step alone (prefill excluded), the bytes it
-  reads (the weights in the form decode reads them, bf16-packed where the checkpoint's values are bf16, and the
+- vLLM's CPU build, plain greedy decode of the same prompts at batch 1 and 8, in its own process, at the thread
+  count equal to the cores (it binds its threads to all of them);
+- each released target's decode step against this machine's memory bandwidth: the step alone (prefill excluded),
+  the bytes it reads (the weights as decode reads them, bf16-packed where the checkpoint's values are bf16, and the
   KV cache), and those bytes per second over the read bandwidth (``mtp_train.runtime.machine``); with the step
   float32 weights would allow at that bandwidth, the floor the issue's goal is stated against.
 
@@ -52,6 +52,7 @@ from mtp_train.runtime.machine import read_bandwidth  # noqa: E402
 
 TINY = REPO / "recipes" / "tiny" / "target"
 SMOLLM2 = REPO / ".cache" / "smollm2-135m-instruct"
+TARGETS = {"smollm2": ("SmolLM2", SMOLLM2), "gemma3": ("Gemma 3 270M", REPO / ".cache" / "gemma-3-270m")}  # if fetched
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 UNSTABLE = 0.20  # a side whose repetitions spread more than this (of its median) gets no ratio
 
@@ -246,7 +247,7 @@ def bench_draft_target(root: Path, prompts: list[list[int]], new_tokens: int, re
                [n / t for t in t_ref], "transformers assisted", f"{same}/{len(prompts)}", f"{before} → {load()}")
 
 
-def vllm_decode(root: Path, prompts: list[list[int]], new_tokens: int, repeats: int, threads: int,
+def vllm_decode(root: Path, name: str, prompts: list[list[int]], new_tokens: int, repeats: int, threads: int,
                 ours: dict[int, Row]) -> list[Row]:
     """vLLM's CPU build, plain greedy decode at batch 1 and 8 in its own process; compared with our rows' medians."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -266,7 +267,7 @@ def vllm_decode(root: Path, prompts: list[list[int]], new_tokens: int, repeats: 
     for batch, row in sorted(ours.items()):
         n = len(prompts) * new_tokens
         same = sum(a == b for a, b in zip(data["tokens"][str(batch)], row.outputs))
-        rows.append(Row(f"greedy decode, SmolLM2, batch {batch}, vs vLLM", threads, row.ours,
+        rows.append(Row(f"greedy decode, {name}, batch {batch}, vs vLLM", threads, row.ours,
                         [n / t for t in data["times"][str(batch)]], f"vLLM {data['version']}",
                         f"{same}/{len(prompts)}", f"{before} → {load()}", interleaved=False))
     return rows
@@ -296,8 +297,9 @@ def decode_bytes(engine, rows: int) -> tuple[int, int]:
     return read, fp32
 
 
-def bandwidth_table(root: Path, prompts: list[list[int]], new_tokens: int, repeats: int, bandwidth: float) -> str:
-    """SmolLM2's decode steps at batch 1 and 8 (prefill excluded) against the read bandwidth: a Markdown table."""
+def bandwidth_table(root: Path, name: str, prompts: list[list[int]], new_tokens: int, repeats: int, bandwidth: float
+                    ) -> str:
+    """A target's decode steps at batch 1 and 8 (prefill excluded) against the read bandwidth: a Markdown table."""
     from mtp_train.runtime.engine import Engine
     from mtp_train.runtime.sampling import SamplingParams
 
@@ -308,7 +310,7 @@ def bandwidth_table(root: Path, prompts: list[list[int]], new_tokens: int, repea
     tune(fp32.model, bf16=False)  # every weight packed in float32
     cfg = held.cfg
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
-    lines = ["| decode step, SmolLM2 | ms per step | weights read MB (float32 would be) | KV read MB | GB/s | "
+    lines = [f"| decode step, {name} | ms per step | weights read MB (float32 would be) | KV read MB | GB/s | "
              "of the read bandwidth | float32 weights' floor ms | step over that floor |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for batch, (name, engine) in itertools.product((1, 8), (("as held", held), ("float32 weights", fp32))):
         weights, fp32_bytes = decode_bytes(engine, batch)
@@ -343,22 +345,18 @@ class Rows(list):
         super().append(row)
         print("| " + " | ".join(row.cells()) + " |", flush=True)
 
-    def __iadd__(self, rows):
-        for row in rows:
-            self.append(row)
-        return self
-
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--skip", default="", help="comma-separated: tiny, score, smollm2, draft, vllm, bandwidth")
+    p.add_argument("--skip", default="", help="comma-separated: tiny, score, smollm2, gemma3, draft, vllm, bandwidth")
     args = p.parse_args()
     skip = set(filter(None, args.skip.split(",")))
-    smollm2 = (SMOLLM2 / "config.json").is_file() and "smollm2" not in skip
-    vllm = smollm2 and VLLM_PYTHON.is_file() and "vllm" not in skip
+    targets = [(name, root) for key, (name, root) in TARGETS.items()
+               if (root / "config.json").is_file() and key not in skip]
+    vllm = VLLM_PYTHON.is_file() and "vllm" not in skip
     torch.set_num_threads(max(args.threads))
     bandwidth = read_bandwidth()
     print(f"{machine_line(bandwidth=False)}; read bandwidth {bandwidth / 1e9:.1f} GB/s at {max(args.threads)} threads "
@@ -379,21 +377,21 @@ def main() -> None:
             for batch in (1, 8):
                 rows.append(bench_decode(TINY, "tiny target", random_prompts(8, 4), batch, args.new_tokens,
                                          args.repeats, threads))
-        if smollm2:
-            prompts = mt_bench_prompts(SMOLLM2)
+        for name, root in targets:
+            prompts = mt_bench_prompts(root)
             if "score" not in skip:
-                rows.append(bench_score(SMOLLM2, "score(), SmolLM2-135M-Instruct (30 layers)", args.repeats, threads))
+                rows.append(bench_score(root, f"score(), {name}", args.repeats, threads))
             ours = {}
             for batch in (1, 8):
-                ours[batch] = bench_decode(SMOLLM2, "SmolLM2", prompts, batch, args.new_tokens, args.repeats, threads)
+                ours[batch] = bench_decode(root, name, prompts, batch, args.new_tokens, args.repeats, threads)
                 rows.append(ours[batch])
             if vllm and threads == os.cpu_count():  # vLLM's CPU build binds its threads to all the cores
-                rows += vllm_decode(SMOLLM2, prompts, args.new_tokens, args.repeats, threads, ours)
-            if "draft" not in skip:
-                rows.append(bench_draft_target(SMOLLM2, prompts[:4], args.new_tokens, max(2, args.repeats // 2),
-                                               threads))
+                for row in vllm_decode(root, name, prompts, args.new_tokens, args.repeats, threads, ours):
+                    rows.append(row)
+            if "draft" not in skip and root == SMOLLM2:
+                rows.append(bench_draft_target(root, prompts[:4], args.new_tokens, max(2, args.repeats // 2), threads))
             if "bandwidth" not in skip and threads == max(args.threads):
-                print("\n" + bandwidth_table(SMOLLM2, prompts, args.new_tokens, args.repeats, bandwidth) + "\n")
+                print("\n" + bandwidth_table(root, name, prompts, args.new_tokens, args.repeats, bandwidth) + "\n")
 
 
 if __name__ == "__main__":

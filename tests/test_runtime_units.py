@@ -319,6 +319,46 @@ def test_a_decoder_layer_in_one_call_equals_it_op_by_op(family, tmp_path):
     assert layer_weights(DecoderLayer(mla, model.tp)) is None, "latent attention: op by op"
 
 
+@pytest.mark.parametrize("residual_normed", [False, True])
+def test_an_eagle3_layer_in_one_call_equals_it_op_by_op(residual_normed, monkeypatch):
+    """An EAGLE-3 head's layer, whose q/k/v read ``[norm(embeds) | norm(g)]`` (2H) with ``g`` (or its norm, speculators'
+    ``norm_before_residual``) as the residual, runs in one kernel call at decode and verify sizes with the output and
+    cache of its ops."""
+    from mtp_train.heads import build_head, head_spec
+    from mtp_train.heads.frozen import FrozenTarget
+    from mtp_train.runtime import small_rows
+    from mtp_train.runtime.attention import TorchAttention
+    from mtp_train.runtime.small_batch import tune
+
+    frozen = FrozenTarget.load(TINY_TARGET)
+    torch.manual_seed(0)
+    head = build_head(head_spec("eagle3", 1, frozen.cfg, "x", aux_layers=(1, 2, 3), draft_vocab=512,
+                                norm_before_residual=residual_normed)).eval()
+    tune(head)
+    layer, cfg = head.layers[0], frozen.cfg
+    calls = []
+    kernel = small_rows.decode_layer
+    monkeypatch.setattr(small_rows, "decode_layer", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    assert layer.decode_weights is not None and layer.decode_weights.wqkv.shape[1] == 2 * cfg.hidden_size
+    for meta in (_step([7, 0, 12, 3], [1, 3, 2, 2]), _step([5], [1])):
+        plan = TorchAttention().plan(meta, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        rows = meta.tokens.numel()
+        embeds, hidden = torch.randn(rows, cfg.hidden_size), torch.randn(rows, cfg.hidden_size)
+        caches = [torch.randn(32, 4, cfg.num_kv_heads, cfg.head_dim) for _ in range(2)]
+        one = [c.clone() for c in caches]
+        with torch.inference_mode():
+            fused = head.run(embeds, hidden, meta.positions, plan, [one])
+            weights, layer.decode_weights = layer.decode_weights, None
+            ref = head.run(embeds, hidden, meta.positions, plan, [caches])
+            layer.decode_weights = weights
+        assert torch.allclose(fused, ref, atol=1e-5, rtol=1e-4) and len(calls) == 1, "one kernel call, then none"
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(one, caches))
+        calls.clear()
+    x = torch.randn(1, cfg.hidden_size)
+    plan = TorchAttention().plan(_step([5], [1]), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    assert plan.run_layer(x, layer.decode_weights, head.rope.cos_sin(torch.tensor([5]), torch.float32), one) is None
+
+
 @pytest.mark.parametrize("kind", ["packed", "transposed"])
 def test_the_small_batch_layout_changes_the_layout_only(kind):
     """On CPU the engine keeps copies of the weights that multiply faster so at decode sizes; the products are the

@@ -30,7 +30,7 @@ from torch import nn
 from mtp_train.errors import UserError
 from mtp_train.heads.base import DraftHead, HeadSpec
 from mtp_train.models.config import ModelConfig
-from mtp_train.models.parts import Linear, RMSNorm
+from mtp_train.models.parts import Linear, RMSNorm, decode_copies
 
 
 def default_aux_layers(cfg: ModelConfig) -> list[int]:
@@ -111,6 +111,9 @@ class Eagle3Head(DraftHead):
         normed = self.hidden_norm(hidden)
         residual = normed if self.spec.norm_before_residual else hidden
         x = torch.cat([layer.attention_norm(embeds), normed], dim=-1)
+        run = getattr(plan, "run_layer", None) if layer.decode_weights is not None and decode_copies() else None
+        if run is not None and (out := run(residual, layer.decode_weights, cos_sin, kv[0], attention_input=x)) is not None:
+            return out  # the runtime's CPU kernel: the layer in one call (runtime/small_batch.py)
         h = residual + layer.attention(x, cos_sin, plan, kv[0])
         return h + layer.feed_forward(layer.ffn_norm(h))
 

@@ -175,19 +175,24 @@ class TorchStep:
         return self._groups
 
     def run_layer(self, x: torch.Tensor, weights: LayerWeights, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                  kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | None:
+                  kv: tuple[torch.Tensor, torch.Tensor], attention_input: torch.Tensor | None = None
+                  ) -> torch.Tensor | None:
         """A decoder layer over this step's rows ``x [T, H]`` in one call of ``decode_layer.cpp`` (its weights packed
         by ``runtime/small_batch.py``) -> ``[T, H]``; None where this step or these tensors are not for it (the
-        layer then runs op by op)."""
+        layer then runs op by op). ``attention_input [T, 2H]``: an EAGLE-3 layer's normed input (``x`` its
+        residual), which its q/k/v projection reads."""
         if not self._one_call or x.requires_grad or x.dtype != torch.float32 or kv[0].dtype != torch.float32:
             return None
+        if (x if attention_input is None else attention_input).shape[1] != weights.wqkv.shape[1]:
+            return None  # (an EAGLE-3 layer called without its input)
         windowed = bool(weights.window) and self.window_meta is not None  # (its own pages: KVPool)
         if windowed not in self._indexes:
             meta = self.window_meta if windowed else self.meta
             self._indexes[windowed] = (meta.slot_mapping, meta.host_qo_indptr.long(), meta.host_kv_lens.long(),
                                        meta.host_page_indptr.long(), meta.page_indices.long())
         return small_rows.decode_layer(x.contiguous(), weights, *cos_sin, *kv, *self._indexes[windowed],
-                                       window=self.sliding_window or 0)
+                                       window=self.sliding_window or 0,
+                                       attention_input=None if attention_input is None else attention_input.contiguous())
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

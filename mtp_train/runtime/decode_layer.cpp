@@ -89,7 +89,8 @@ void add_into(at::Tensor& x, const at::Tensor& y) {
 // x [T, H] float32 -> the layer's output [T, H]; the weights are packed by small_rows.cpp's pack (qkv
 // [(Hq + 2 Hkv) D, H], o [H, Hq D], gate_up [2I, H], down [H, I]); norms [H] float32 (no attention norm: an EAGLE
 // layer's; q/k norms [D] and the norms after attention and MLP where the family has them); the attention's arguments
-// as paged_attention.cpp's attend takes them.
+// as paged_attention.cpp's attend takes them. With attention_input [T, K] (an EAGLE-3 layer's, K = 2H, normed
+// already), the q/k/v projection reads it in place of the normed x, and x is the residual.
 at::Tensor decode_layer(const at::Tensor& x, const std::optional<at::Tensor>& attention_norm, const at::Tensor& wqkv,
                         const std::optional<at::Tensor>& qkv_bias, const at::Tensor& wo, const at::Tensor& ffn_norm,
                         const at::Tensor& w_gate_up, const at::Tensor& w_down, double eps, const at::Tensor& cos,
@@ -98,7 +99,8 @@ at::Tensor decode_layer(const at::Tensor& x, const std::optional<at::Tensor>& at
                         const at::Tensor& pages, int64_t n_heads, int64_t n_kv_heads, double scale,
                         const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
                         const std::optional<at::Tensor>& post_attention_norm,
-                        const std::optional<at::Tensor>& post_ffn_norm, bool gelu, int64_t window) {
+                        const std::optional<at::Tensor>& post_ffn_norm, bool gelu, int64_t window,
+                        const std::optional<at::Tensor>& attention_input) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "decode_layer: x [T, H] float32");
   const int64_t hidden = x.size(1), head_dim = k_cache.size(3), inter = w_down.size(1);
   for (const auto* norm : {&attention_norm, &post_attention_norm, &post_ffn_norm, &q_norm, &k_norm}) {
@@ -111,7 +113,12 @@ at::Tensor decode_layer(const at::Tensor& x, const std::optional<at::Tensor>& at
               "decode_layer: norm weights [H] float32");
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value() && post_attention_norm.has_value() == post_ffn_norm.has_value(),
               "decode_layer: q and k norms together, the norms after attention and MLP together");
-  const at::Tensor normed = attention_norm.has_value() ? rms_norm(x, *attention_norm, eps) : x;  // EAGLE's has none
+  TORCH_CHECK(!attention_input.has_value() || (attention_input->dim() == 2 && attention_input->size(0) == x.size(0) &&
+                                               attention_input->is_contiguous() &&
+                                               attention_input->scalar_type() == at::kFloat),
+              "decode_layer: attention_input [T, K] float32");
+  const at::Tensor normed = attention_input.has_value() ? *attention_input  // EAGLE-3's [norm(embeds) | norm(g)]
+                            : attention_norm.has_value() ? rms_norm(x, *attention_norm, eps) : x;  // EAGLE's: none
   at::Tensor qkv = mtp_kernels::linear(normed, wqkv, (n_heads + 2 * n_kv_heads) * head_dim);
   if (qkv_bias.has_value()) qkv.add_(*qkv_bias);
   if (q_norm.has_value()) head_norms(qkv, *q_norm, *k_norm, n_heads, n_kv_heads, head_dim, eps);
@@ -133,6 +140,7 @@ TORCH_LIBRARY(mtp_decode_layer, lib) {
           "Tensor w_gate_up, Tensor w_down, float eps, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
           "Tensor(b!) v_cache, Tensor slots, Tensor q_start, Tensor kv_lens, Tensor page_start, Tensor pages, "
           "int n_heads, int n_kv_heads, float scale, Tensor? q_norm=None, Tensor? k_norm=None, "
-          "Tensor? post_attention_norm=None, Tensor? post_ffn_norm=None, bool gelu=False, int window=0) -> Tensor",
+          "Tensor? post_attention_norm=None, Tensor? post_ffn_norm=None, bool gelu=False, int window=0, "
+          "Tensor? attention_input=None) -> Tensor",
           decode_layer);
 }

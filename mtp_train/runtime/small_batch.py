@@ -111,7 +111,8 @@ def layer_weights(layer: DecoderLayer, bf16: bool = True) -> small_rows.LayerWei
     """``layer``'s weights as ``decode_layer.cpp`` runs the whole layer in one call (its projections packed), or None
     for a layer that kernel does not implement: latent attention or experts (DeepSeek), biases past the q/k/v
     projection, tensor parallelism, or weights not float32 on the CPU. An EAGLE layer, which has no attention norm
-    (``nn.Identity``), runs without it; Gemma's offset norms run with the offset added to their weights."""
+    (``nn.Identity``), runs without it; an EAGLE-3 layer, whose q/k/v read ``2H``, with its input given
+    (``Eagle3Head.run``); Gemma's offset norms with the offset added to their weights."""
     attention, mlp = layer.attention, layer.feed_forward
     if not (isinstance(attention, Attention) and isinstance(mlp, FeedForward)):
         return None
@@ -124,7 +125,7 @@ def layer_weights(layer: DecoderLayer, bf16: bool = True) -> small_rows.LayerWei
             or mlp.w_gate_up.bias is not None or attention.tp.size > 1 or mlp.tp.size > 1
             or not all(isinstance(n, RMSNorm) and n.weight.numel() == hidden for n in norms)
             or not all(isinstance(n, RMSNorm) and n.weight.numel() == attention.head_dim for n in head_norms)
-            or len({n.eps for n in norms + head_norms}) != 1 or attention.wqkv.in_features != hidden
+            or len({n.eps for n in norms + head_norms}) != 1 or attention.wqkv.in_features not in (hidden, 2 * hidden)
             or any(t.device.type != "cpu" or t.dtype != torch.float32
                    for t in (*(m.weight for m in linears), *(n.weight for n in norms + head_norms)))):
         return None

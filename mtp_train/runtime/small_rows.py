@@ -245,14 +245,16 @@ class LayerWeights:
 
 def decode_layer(x: torch.Tensor, w: LayerWeights, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slots: torch.Tensor, q_start: torch.Tensor, kv_lens: torch.Tensor,
-                 page_start: torch.Tensor, pages: torch.Tensor, window: int = 0) -> torch.Tensor:
+                 page_start: torch.Tensor, pages: torch.Tensor, window: int = 0,
+                 attention_input: torch.Tensor | None = None) -> torch.Tensor:
     """A decoder layer over ``x [T, H]`` float32 (a few rows) in one call -> ``[T, H]``; the attention's
     arguments as ``attend`` takes them (``window``: the step's sliding window, where the layer has none of its own:
-    a Mistral target's, a draft head's)."""
+    a Mistral target's, a draft head's; ``attention_input [T, 2H]``: an EAGLE-3 layer's normed input, ``x`` its
+    residual)."""
     return torch.ops.mtp_decode_layer.decode_layer(
         x, w.attention_norm, w.wqkv, w.qkv_bias, w.wo, w.ffn_norm, w.w_gate_up, w.w_down, w.eps, cos, sin, k_cache,
         v_cache, slots, q_start, kv_lens, page_start, pages, w.num_heads, w.num_kv_heads, w.scale, w.q_norm, w.k_norm,
-        w.post_attention_norm, w.post_ffn_norm, w.gelu, w.window or window)
+        w.post_attention_norm, w.post_ffn_norm, w.gelu, w.window or window, attention_input)
 
 
 def exactly_bf16(weight: torch.Tensor) -> bool:
