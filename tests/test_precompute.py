@@ -392,11 +392,9 @@ def test_a_worker_reads_back_its_shards_before_it_is_complete(tmp_path):
 
 
 def test_a_setting_the_new_recipe_no_longer_has_is_named_too():
-    """Features an eagle3 recipe made (its aux layers among the settings) asked for by an mtp recipe: the refusal
-    names the setting that only the old features have, not an empty list."""
+    """Features an eagle3 recipe made (its aux layers among the settings) met by an mtp recipe: the refusal names the
+    setting only the old features have, not an empty list."""
     from types import SimpleNamespace
-
     from precompute.directory import _mismatch
-
     old = SimpleNamespace(fingerprint={"settings": "a"}, settings={"topk": 32, "eagle3_layers": [1, 8, 14]})
     assert _mismatch(old, {"settings": "b"}, {"topk": 32}) == "recipe field(s) eagle3_layers"
